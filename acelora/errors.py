@@ -63,3 +63,10 @@ class AdapterRejected(AceloraError):
         self.reason = reason
         self.adapter = adapter
         super().__init__(f"The model `{adapter}` does not exist." if adapter else reason)
+
+
+class InvalidRequest(AceloraError, ValueError):
+    """A request acelora cannot interpret (e.g. a malformed ``x-ace-skill-override`` header).
+
+    >>> raise InvalidRequest("x-ace-skill-override: unknown mode 'banana'")  # doctest: +SKIP
+    """

@@ -1,0 +1,3 @@
+from acelora.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,237 @@
+"""``MultiLoRAMiddleware``: the multi-LoRA decision inside any Starlette/FastAPI service (pure ASGI).
+
+The downstream app finds the applied :class:`~acelora.skill.Decision` in ``scope["acelora.decision"]``
+(the contract; also ``request.state.acelora`` in Starlette, through ``scope["state"]``). It may replace
+that decision (e.g. after a failed load) and set ``scope["acelora.served_by"]`` before it answers: the
+trace headers are written from what the scope holds when the response starts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from acelora.errors import InvalidRequest
+from acelora.skill import OVERRIDE_HEADER, TENANT_HEADER, Decision, MultiLoRA, RouteRequest
+from acelora.trace import SERVED_BY_HEADER, TRACE_HEADER, encode_header
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+DEFAULT_PATHS = ("/v1/chat/completions", "/v1/completions")
+DEFAULT_MAX_BODY = 4 * 1024 * 1024
+DECISION_KEY = "acelora.decision"
+SERVED_BY_KEY = "acelora.served_by"
+TENANT_KEY = "acelora.tenant"
+_TRACE_PREFIX = b"x-ace-trace-"
+_OUR_HEADERS = (TRACE_HEADER.encode(), SERVED_BY_HEADER.encode())
+_OVERRIDE = OVERRIDE_HEADER.encode()
+_TENANT = TENANT_HEADER.encode()
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_perf_ns = time.perf_counter_ns
+
+
+def openai_error(status: int, message: str, type_: str, param: str | None = None,
+                 code: str | int | None = None) -> bytes:
+    """An error body in OpenAI's (and vLLM's) envelope.
+
+    >>> openai_error(404, "The model `x` does not exist.", "NotFoundError", "model")[:9]
+    b'{"error":'
+    """
+    return json.dumps({"error": {"message": message, "type": type_, "param": param,
+                                 "code": status if code is None else code}}).encode()
+
+
+def not_found_body(name: str | None) -> bytes:
+    """vLLM's 404 for an unknown model; lists nothing, so a forbidden adapter looks exactly like an unknown one."""
+    shown = (name or "")[:128]
+    return openai_error(404, f"The model `{shown}` does not exist.", "NotFoundError", "model")
+
+
+def requested_name(req: RouteRequest) -> str | None:
+    """The adapter name as the client asked for it (what a 404 may echo back)."""
+    return req.lora_name if req.lora_name is not None else req.model
+
+
+async def send_json(send: Send, status: int, body: bytes, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+    """Answer a whole JSON response through a raw ASGI ``send``."""
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*_JSON_HEADERS, (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def trace_headers(skill: MultiLoRA, decision: Decision, served_by: str | None,
+                  overhead_ms: float | None) -> list[tuple[bytes, bytes]]:
+    """Record ``decision`` and return its ``x-ace-trace-multi-lora`` / ``x-ace-served-by`` headers ([] when off)."""
+    event = skill.record(decision, served_by=served_by, overhead_ms=overhead_ms)
+    if event is None:
+        return []
+    out = [(_OUR_HEADERS[0], encode_header(event).encode("latin-1"))]
+    if event.served_by:
+        out.append((_OUR_HEADERS[1], event.served_by.encode("latin-1", "replace")))
+    return out
+
+
+Loader = Callable[[MultiLoRA, Decision], Awaitable[Decision]]
+
+
+class MultiLoRAMiddleware:
+    """Routes OpenAI-style POST bodies through ``skill`` and adds trace headers to the responses.
+
+    >>> app = MultiLoRAMiddleware(app, skill=skill)                  # any ASGI app  # doctest: +SKIP
+    >>> fastapi_app.add_middleware(MultiLoRAMiddleware, skill=skill)  # doctest: +SKIP
+
+    ``tenant_from_header``: take the tenant from ``x-ace-tenant-id`` when no auth layer put one in
+    ``scope["acelora.tenant"]``. ``loader``: awaited for prod decisions whose adapter must be loaded
+    first (default: :func:`acelora.loading.ensure_adapter` with a shared, bounded httpx client).
+    """
+
+    def __init__(self, app: ASGIApp, skill: MultiLoRA, *, paths: Iterable[str] = DEFAULT_PATHS,
+                 max_body_bytes: int = DEFAULT_MAX_BODY, tenant_from_header: bool = True,
+                 served_by: str | None = None, loader: Loader | None = None, load_timeout_s: float = 60.0) -> None:
+        self.app = app
+        self.skill = skill
+        self.paths = frozenset(paths)
+        self.max_body_bytes = max_body_bytes
+        self.tenant_from_header = tenant_from_header
+        self.served_by = served_by
+        self.loader = loader or self._default_loader
+        self.load_timeout_s = load_timeout_s
+        self._http: Any = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = scope["headers"]
+        if any(k.startswith(_TRACE_PREFIX) for k, _ in headers):
+            # Clients must not forge traces for anything downstream to trust.
+            scope = dict(scope, headers=[(k, v) for k, v in headers if not k.startswith(_TRACE_PREFIX)])
+        if scope["method"] != "POST" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        await MultiLoRAResponder(self, scope)(receive, send)
+
+    async def _default_loader(self, skill: MultiLoRA, decision: Decision) -> Decision:
+        import httpx
+
+        from acelora.loading import ensure_adapter
+
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.load_timeout_s, connect=5.0))
+        return await ensure_adapter(skill, decision, self._http)
+
+    async def aclose(self) -> None:
+        """Close the HTTP client used for adapter loads (if one was opened)."""
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+
+class MultiLoRAResponder:
+    """One request through the middleware: buffered body in, decision applied, trace headers out."""
+
+    __slots__ = ("mw", "scope", "body", "decision", "t0", "overhead_ms", "receive")
+
+    def __init__(self, mw: MultiLoRAMiddleware, scope: Scope) -> None:
+        self.mw = mw
+        self.scope = scope
+        self.t0 = _perf_ns()
+        self.body: bytes | None = b""
+        self.decision: Decision | None = None
+        self.overhead_ms: float | None = None
+
+    async def __call__(self, receive: Receive, send: Send) -> None:
+        mw = self.mw
+        self.receive = receive
+        body = await self._read_body(receive)
+        if body is None:
+            await send_json(send, 413, openai_error(
+                413, f"Request body is larger than {mw.max_body_bytes} bytes.", "BadRequestError"))
+            return
+        try:
+            payload = json.loads(body)
+        except ValueError:  # not JSON whatever the content-type says: the app answers it
+            payload = None
+        if not isinstance(payload, dict):
+            self.body = body
+            await mw.app(self.scope, self.receive_body, send)
+            return
+        tenant = self.scope.get(TENANT_KEY)
+        hdrs = {}
+        for k, v in self.scope["headers"]:
+            if k == _OVERRIDE or (k == _TENANT and tenant is None and mw.tenant_from_header):
+                hdrs[k.decode()] = v.decode("latin-1")
+        try:
+            req = RouteRequest.from_body(payload, hdrs, tenant=tenant)
+        except InvalidRequest as e:
+            await send_json(send, 400, openai_error(400, str(e), "BadRequestError", OVERRIDE_HEADER))
+            return
+        decision = mw.skill.route(req)
+        swap_ns = 0
+        if decision.needs_load:
+            t = _perf_ns()
+            decision = await mw.loader(mw.skill, decision)
+            swap_ns = _perf_ns() - t
+        if decision.reject:
+            extra = trace_headers(mw.skill, decision, None, (_perf_ns() - self.t0 - swap_ns) / 1e6)
+            await send_json(send, 404, not_found_body(requested_name(req)), extra)
+            return
+        out = decision.apply(payload)
+        scope = self.scope
+        if out is not payload:
+            body = json.dumps(out, separators=(",", ":")).encode()
+            scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k != b"content-length"]
+                         + [(b"content-length", str(len(body)).encode())])
+        else:
+            scope = dict(scope)
+        scope[DECISION_KEY] = decision
+        scope["state"] = {**scope.get("state", {}), "acelora": decision}
+        self.scope, self.body, self.decision = scope, body, decision
+        self.overhead_ms = (_perf_ns() - self.t0 - swap_ns) / 1e6
+        await mw.app(scope, self.receive_body, self.make_send(send))
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        limit = self.mw.max_body_bytes
+        for k, v in self.scope["headers"]:
+            if k == b"content-length" and v.isdigit() and int(v) > limit:
+                return None
+        chunks = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # disconnected before the body was complete
+                return b"".join(chunks)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def receive_body(self) -> Message:
+        if self.body is None:  # the body was delivered: later calls wait for the disconnect
+            return await self.receive()
+        body, self.body = self.body, None
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    def make_send(self, send: Send) -> Send:
+        async def send_with_trace(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                scope = self.scope
+                decision = scope.get(DECISION_KEY, self.decision)
+                extra = trace_headers(self.mw.skill, decision, scope.get(SERVED_BY_KEY, self.mw.served_by),
+                                      self.overhead_ms)
+                if extra:
+                    # Don't send the app's (or an upstream's) trace next to ours: ours describes this hop.
+                    headers = [(k, v) for k, v in message.get("headers", ()) if k not in _OUR_HEADERS]
+                    message = {**message, "headers": headers + extra}
+            await send(message)
+
+        return send_with_trace

@@ -1,0 +1,388 @@
+"""The routing core: one pure ``MultiLoRA.route()`` that every front-end calls.
+
+No I/O happens here; loads and probes are side effects that front-ends await (``acelora.loading``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from acelora.errors import ConfigError, InvalidRequest
+from acelora.fleet import Fleet, ModelServer, same_base
+from acelora.metrics import Metrics
+from acelora.names import adapter_hash, is_valid_adapter_name
+from acelora.registry import AdapterRegistry, AdapterSpec, compatibility
+from acelora.trace import (
+    COLD_LOADED_APPLIED,
+    FALLBACK,
+    PREFETCHED_APPLIED,
+    REJECTED,
+    WOULD_LOAD,
+    TraceEvent,
+    TraceRecorder,
+)
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+log = logging.getLogger("acelora")
+
+OVERRIDE_HEADER = "x-ace-skill-override"
+TENANT_HEADER = "x-ace-tenant-id"
+# Fields only acelora understands; they never reach an upstream in prod mode.
+ACELORA_FIELDS = frozenset({"lora_name", "adapter_rank", "lora_prefetch", "extra_body"})
+_REJECTABLE = frozenset({"invalid_name", "unknown_adapter"})
+_perf_ns = time.perf_counter_ns
+
+
+class Mode(StrEnum):
+    """How a skill treats requests: ``off`` (untouched), ``shadow`` (check and log), ``prod`` (apply).
+
+    >>> Mode("shadow") is Mode.SHADOW
+    True
+    """
+
+    OFF = "off"
+    SHADOW = "shadow"
+    PROD = "prod"
+
+    @classmethod
+    def parse(cls, value: Mode | str) -> Mode:
+        try:
+            return value if isinstance(value, Mode) else cls(str(value).strip().lower())
+        except ValueError:
+            raise ConfigError(f"mode: {value!r} is not one of off, shadow, prod") from None
+
+
+_MODES = {m.value: m for m in Mode}
+
+
+def parse_override(header: str | None) -> Mode | None:
+    """The ``multi_lora`` mode of an ``x-ace-skill-override`` header (``multi_lora=shadow``), or None.
+
+    >>> parse_override("multi_lora=prod")
+    <Mode.PROD: 'prod'>
+    """
+    if not header:
+        return None
+    for part in header.replace(";", ",").split(","):
+        key, _, value = part.partition("=")
+        if key.strip().lower() == "multi_lora":
+            mode = _MODES.get(value.strip().lower())
+            if mode is None:
+                raise InvalidRequest(f"{OVERRIDE_HEADER}: multi_lora={value.strip()[:20]!r} is not off, shadow or prod")
+            return mode
+    return None
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """What ``route()`` needs to know about one request.
+
+    >>> RouteRequest(model="code-python-v2", tenant="tenant_dev_01").model
+    'code-python-v2'
+    """
+
+    model: str | None = None
+    lora_name: str | None = None
+    tenant: str | None = None
+    mode: Mode | str | None = None
+    adapter_rank: int | None = None
+    prefetch: bool = False
+    request_id: str | None = None
+    resident: bool | None = None
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], headers: Any = None, tenant: str | None = None,
+                  request_id: str | None = None) -> RouteRequest:
+        """Build from an OpenAI-style JSON body and headers (a mapping with lower-case keys).
+
+        Adapter order: body ``lora_name``, then ``extra_body.lora_name``, then ``model`` (route() decides
+        whether it names an adapter or ``base:adapter``). Raises InvalidRequest on a bad override header.
+        """
+        extra = body.get("extra_body")
+        extra = extra if isinstance(extra, dict) else {}
+        lora = body.get("lora_name", extra.get("lora_name"))
+        rank = body.get("adapter_rank", extra.get("adapter_rank"))
+        model = body.get("model")
+        override = headers.get(OVERRIDE_HEADER) if headers is not None else None
+        if tenant is None and headers is not None:
+            tenant = headers.get(TENANT_HEADER)
+        return cls(
+            model=model if isinstance(model, str) else None,
+            lora_name=lora if isinstance(lora, str) else (None if lora is None else repr(lora)),
+            tenant=tenant,
+            mode=parse_override(override),
+            adapter_rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
+            prefetch=bool(body.get("lora_prefetch", extra.get("lora_prefetch", False))),
+            request_id=request_id,
+        )
+
+
+@dataclass(slots=True)
+class Decision:
+    """What to do with one request; front-ends apply it with :meth:`apply` and record it with ``skill.record``.
+
+    >>> Decision(mode=Mode.OFF).apply({"model": "m"})
+    {'model': 'm'}
+    """
+
+    mode: Mode
+    action: str | None = None
+    adapter: str | None = None
+    spec: AdapterSpec | None = None
+    server: ModelServer | None = None
+    model: str | None = None
+    fallback_reason: str | None = None
+    resident: bool | None = None
+    needs_load: bool = False
+    reject: bool = False
+    tenant: str | None = None
+    request_id: str | None = None
+    prefetch: bool = False
+    swap_ms: float | None = None
+    route_ns: int = 0
+    base: str | None = None  # the base model to fall back to
+
+    @property
+    def applied(self) -> bool:
+        """True when the request runs on the adapter."""
+        return self.action in (PREFETCHED_APPLIED, COLD_LOADED_APPLIED)
+
+    def apply(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The body to send upstream. Off/shadow: ``body`` itself. Prod: a copy with ``model`` rewritten and
+        acelora-only fields removed (other ``extra_body`` keys are merged as the OpenAI SDK would)."""
+        if self.mode is not Mode.PROD:
+            return body
+        out = {k: v for k, v in body.items() if k not in ACELORA_FIELDS}
+        extra = body.get("extra_body")
+        if isinstance(extra, dict):
+            for k, v in extra.items():
+                if k not in ACELORA_FIELDS:
+                    out.setdefault(k, v)
+        if self.model is not None:
+            out["model"] = self.model
+        return out
+
+    def fall_back(self, reason: str) -> Decision:
+        """This decision turned into a base-model fallback (e.g. ``load_failed`` after a failed load)."""
+        return Decision(
+            mode=self.mode, action=FALLBACK if self.mode is Mode.PROD else WOULD_LOAD, adapter=self.adapter,
+            spec=self.spec, server=self.server, model=self.base if self.mode is Mode.PROD else None,
+            fallback_reason=reason, resident=False, tenant=self.tenant, request_id=self.request_id,
+            route_ns=self.route_ns, base=self.base,
+        )
+
+
+def _mix(x: int) -> int:
+    """splitmix64 finaliser: a stable, well-spread score for rendezvous hashing."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+class MultiLoRA:
+    """The multi-LoRA skill: registry + fleet + mode, and the one ``route()`` every front-end uses.
+
+    >>> skill = MultiLoRA(registry=AdapterRegistry(), mode="shadow", base_model="m")
+    >>> skill.route(RouteRequest(model="m")).action is None
+    True
+    """
+
+    def __init__(self, registry: AdapterRegistry | None = None, fleet: Fleet | None = None, mode: Mode | str = "prod",
+                 *, on_unknown: str = "fallback", base_model: str | None = None, engine: str = "vllm",
+                 max_lora_rank: int | None = None, base_model_bytes: int | None = None,
+                 traces: TraceRecorder | None = None, metrics_registry: CollectorRegistry | None = None,
+                 load_timeout_s: float = 30.0, api_keys: dict[str, str] | None = None,
+                 admin_key: str | None = None) -> None:
+        if on_unknown not in ("fallback", "reject"):
+            raise ConfigError(f"on_unknown: {on_unknown!r} is not 'fallback' or 'reject'")
+        compatibility(AdapterSpec(name="probe", path="/"), engine)  # validates the kind
+        self.registry = registry if registry is not None else AdapterRegistry()
+        self.fleet = fleet if fleet is not None else Fleet()
+        self.mode = Mode.parse(mode)
+        self.on_unknown = on_unknown
+        self.base_model = base_model
+        self.engine = engine
+        self.max_lora_rank = max_lora_rank
+        self.base_model_bytes = base_model_bytes
+        self.traces = traces if traces is not None else TraceRecorder()
+        self.metrics = Metrics(metrics_registry)
+        self.load_timeout_s = load_timeout_s
+        self.api_keys = dict(api_keys or {})  # bearer key -> tenant (gateway auth)
+        self.admin_key = admin_key
+        self.config: Any = None  # the validated AceloraConfig when built by from_config()
+        self._cold_ms: dict[str, float] = {}
+        self._bytes_per_ms: float | None = None
+
+    @classmethod
+    def from_config(cls, path: str, **overrides: Any) -> MultiLoRA:
+        """Build a skill from a TOML file (see ``acelora.config``); env ``ACELORA_MODE`` etc. override it."""
+        from acelora.config import skill_from_config
+
+        return skill_from_config(path, **overrides)
+
+    # -- the hot path -------------------------------------------------------------------------
+    def route(self, req: RouteRequest) -> Decision:
+        """Decide what to do with one request. Pure: no I/O, no waiting, microseconds."""
+        t0 = _perf_ns()
+        mode = self.mode if req.mode is None else _MODES.get(req.mode) or Mode.parse(req.mode)
+        if mode is Mode.OFF:
+            return Decision(mode, tenant=req.tenant, request_id=req.request_id, route_ns=_perf_ns() - t0)
+        registry = self.registry
+        model = req.model
+        name = req.lora_name
+        reason = None
+        base_hint = None
+        if name is not None:
+            if not is_valid_adapter_name(name):
+                reason = "invalid_name"
+        elif model is not None and model in registry:
+            name = model
+        else:
+            bases = self.fleet.base_models()
+            if self.base_model:
+                bases.add(self.base_model)
+            if model is None or model in bases:
+                return self._base_decision(mode, req, t0)
+            head, colon, tail = model.partition(":")
+            if colon and (not bases or head in bases):
+                name, base_hint = tail, head
+            elif not bases:
+                return self._base_decision(mode, req, t0)
+            else:
+                name = model
+            if not is_valid_adapter_name(name):
+                reason = "invalid_name"
+        spec = None
+        if reason is None:
+            spec = registry.get(name)
+            if spec is None:
+                reason = "unknown_adapter"
+            elif not (spec.tenants is None or (req.tenant is not None and req.tenant in spec.tenants)):
+                log.warning("denied: tenant %r may not use adapter %r", req.tenant, name)
+                spec, reason = None, "unknown_adapter"  # must look exactly like an unknown adapter
+        server = None
+        if spec is not None:
+            server, reason = self._pick_server(spec, base_hint)
+        if reason is not None:
+            return self._fallback(mode, req, name, spec, server, reason, base_hint, t0)
+        resident = req.resident
+        if resident is None:
+            resident = server is not None and name in server.resident
+        kind = server.kind if server is not None else self.engine
+        base = ((server.base_model if server else None) or base_hint or self.base_model
+                or (req.model if req.lora_name is not None else None))
+        if mode is Mode.SHADOW:
+            action, up_model = WOULD_LOAD, None
+        else:
+            action = PREFETCHED_APPLIED if resident else COLD_LOADED_APPLIED
+            up_model = f"{base}:{name}" if kind == "sglang" else name
+        return Decision(mode, action, name, spec, server, up_model, None, resident,
+                        mode is Mode.PROD and not resident, False, req.tenant, req.request_id, req.prefetch,
+                        None, _perf_ns() - t0, base)
+
+    def _pick_server(self, spec: AdapterSpec, base_hint: str | None) -> tuple[ModelServer | None, str | None]:
+        servers = self.fleet.servers
+        if not servers:
+            if not same_base(self.base_model, spec.base_model):
+                return None, "incompatible_base"
+            if compatibility(spec, self.engine, self.max_lora_rank):
+                return None, "unsupported_by_engine"
+            return None, None
+        cands = [s for s in servers if s.healthy and same_base(s.base_model, spec.base_model)
+                 and (base_hint is None or s.base_model == base_hint)]
+        if not cands:
+            return None, "incompatible_base"
+        cands = [s for s in cands if not compatibility(spec, s.kind, s.max_lora_rank)]
+        if not cands:
+            return None, "unsupported_by_engine"
+        if len(cands) == 1:
+            return cands[0], None
+        resident = [s for s in cands if spec.name in s.resident]
+        pool = resident or [s for s in cands if len(s.resident) < s.capacity] or cands
+        key = int(spec.hash, 16)
+        return max(pool, key=lambda s: _mix(key ^ s.name_hash)), None
+
+    def _base_server(self, model: str | None, tenant: str | None) -> ModelServer | None:
+        cands = [s for s in self.fleet.servers if s.healthy and (model is None or same_base(s.base_model, model))]
+        if len(cands) <= 1:
+            return cands[0] if cands else None
+        key = int(adapter_hash(tenant or ""), 16)
+        return max(cands, key=lambda s: _mix(key ^ s.name_hash))
+
+    def _base_decision(self, mode: Mode, req: RouteRequest, t0: int) -> Decision:
+        server = self._base_server(req.model, req.tenant)
+        return Decision(mode, server=server, tenant=req.tenant, request_id=req.request_id, route_ns=_perf_ns() - t0)
+
+    def _fallback(self, mode: Mode, req: RouteRequest, name: str | None, spec: AdapterSpec | None,
+                  server: ModelServer | None, reason: str, base_hint: str | None, t0: int) -> Decision:
+        # The base the client meant: the prefix of base:adapter, or model when the adapter came from lora_name.
+        meant = base_hint or (req.model if req.lora_name is not None else None)
+        if server is None:
+            server = self._base_server(meant, req.tenant)
+        base = (server.base_model if server else None) or meant or self.base_model
+        if mode is Mode.SHADOW:
+            action = WOULD_LOAD
+        elif self.on_unknown == "reject" and reason in _REJECTABLE:
+            action = REJECTED
+        else:
+            action = FALLBACK
+        safe_name = name if name is not None and is_valid_adapter_name(name) else None
+        return Decision(mode, action, safe_name, spec, server, base if mode is Mode.PROD else None, reason,
+                        False if spec else None, False, action == REJECTED, req.tenant, req.request_id, False, None,
+                        _perf_ns() - t0, base)
+
+    # -- measurements and traces --------------------------------------------------------------
+    def observe_load(self, adapter: str, ms: float, size_bytes: int | None = None) -> None:
+        """Record a measured cold load (feeds ``swap_ms_saved`` of later requests)."""
+        self._cold_ms[adapter] = ms
+        if size_bytes and ms > 0:
+            bw = size_bytes / ms
+            self._bytes_per_ms = bw if self._bytes_per_ms is None else 0.8 * self._bytes_per_ms + 0.2 * bw
+
+    def expected_cold_ms(self, spec: AdapterSpec) -> float | None:
+        """Measured cold-load time of ``spec``, else its size over the measured load bandwidth, else None."""
+        ms = self._cold_ms.get(spec.name)
+        if ms is None and self._bytes_per_ms and spec.size_bytes:
+            ms = spec.size_bytes / self._bytes_per_ms
+        return ms
+
+    def record(self, decision: Decision, *, served_by: str | None = None, overhead_ms: float | None = None,
+               swap_ms: float | None = None) -> TraceEvent | None:
+        """Turn an applied decision into a :class:`TraceEvent`, store it and count it (None when not consulted)."""
+        if decision.action is None:
+            return None
+        spec = decision.spec
+        if swap_ms is None:
+            swap_ms = decision.swap_ms
+        saved = vram = None
+        applied = decision.applied
+        if applied and spec is not None:
+            if swap_ms is None:
+                swap_ms = 0.0 if decision.action == PREFETCHED_APPLIED else None
+            expected = self.expected_cold_ms(spec)
+            if expected is not None and swap_ms is not None:
+                saved = round(max(0.0, expected - swap_ms), 3)
+            server = decision.server
+            base_bytes = (server.base_model_bytes if server else None) or self.base_model_bytes
+            if base_bytes:
+                vram = round((base_bytes - spec.size_bytes) / 2**20, 3)
+        event = TraceEvent(
+            mode=decision.mode.value, action=decision.action, adapter_name=decision.adapter,
+            adapter_hash=spec.hash if spec is not None else None, tenant_id=decision.tenant,
+            served_by=served_by or (decision.server.name if decision.server else None),
+            is_prefetch_hit=(decision.action == PREFETCHED_APPLIED) if applied else None,
+            resident=decision.resident, swap_ms=round(swap_ms, 3) if swap_ms is not None else None,
+            swap_ms_saved=saved, vram_mb_saved=vram, fallback_reason=decision.fallback_reason,
+            overhead_ms=round(overhead_ms if overhead_ms is not None else decision.route_ns / 1e6, 4),
+            request_id=decision.request_id,
+        )
+        self.traces.record(event)
+        self.metrics.observe(event)
+        return event
+
