@@ -86,16 +86,19 @@ class Fleet:
     def __init__(self, servers: Iterable[ModelServer] = ()) -> None:
         self._servers: dict[str, ModelServer] = {}
         self._lock = threading.Lock()
+        self.version = 0  # bumped on every change of membership; route() caches per version
         for s in servers:
             self.add(s)
 
     def add(self, server: ModelServer) -> ModelServer:
         with self._lock:
             self._servers[server.name] = server
+            self.version += 1
         return server
 
     def remove(self, name: str) -> ModelServer | None:
         with self._lock:
+            self.version += 1
             return self._servers.pop(name, None)
 
     def get(self, name: str) -> ModelServer | None:

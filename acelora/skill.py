@@ -147,6 +147,7 @@ class Decision:
     swap_ms: float | None = None
     route_ns: int = 0
     base: str | None = None  # the base model to fall back to
+    denied: bool = False  # the adapter exists but the tenant may not use it (shown as unknown_adapter)
 
     @property
     def applied(self) -> bool:
@@ -216,6 +217,9 @@ class MultiLoRA:
         self.api_keys = dict(api_keys or {})  # bearer key -> tenant (gateway auth)
         self.admin_key = admin_key
         self.config: Any = None  # the validated AceloraConfig when built by from_config()
+        self._placement: dict[str, tuple[Any, ...]] = {}  # adapter -> (fleet version, spec, hint, servers, reason)
+        self._base_cands: dict[str | None, tuple[int, list[ModelServer]]] = {}
+        self._bases_cache: tuple[Any, frozenset[str]] = (None, frozenset())
         self._cold_ms: dict[str, float] = {}
         self._bytes_per_ms: float | None = None
 
@@ -244,9 +248,7 @@ class MultiLoRA:
         elif model is not None and model in registry:
             name = model
         else:
-            bases = self.fleet.base_models()
-            if self.base_model:
-                bases.add(self.base_model)
+            bases = self._bases()
             if model is None or model in bases:
                 return self._base_decision(mode, req, t0)
             head, colon, tail = model.partition(":")
@@ -259,18 +261,21 @@ class MultiLoRA:
             if not is_valid_adapter_name(name):
                 reason = "invalid_name"
         spec = None
+        denied = False
         if reason is None:
             spec = registry.get(name)
             if spec is None:
                 reason = "unknown_adapter"
             elif not (spec.tenants is None or (req.tenant is not None and req.tenant in spec.tenants)):
-                log.warning("denied: tenant %r may not use adapter %r", req.tenant, name)
                 spec, reason = None, "unknown_adapter"  # must look exactly like an unknown adapter
+                denied = True
         server = None
         if spec is not None:
             server, reason = self._pick_server(spec, base_hint)
         if reason is not None:
-            return self._fallback(mode, req, name, spec, server, reason, base_hint, t0)
+            decision = self._fallback(mode, req, name, spec, server, reason, base_hint, t0)
+            decision.denied = denied
+            return decision
         resident = req.resident
         if resident is None:
             resident = server is not None and name in server.resident
@@ -286,33 +291,70 @@ class MultiLoRA:
                         mode is Mode.PROD and not resident, False, req.tenant, req.request_id, req.prefetch,
                         None, _perf_ns() - t0, base)
 
+    def _bases(self) -> frozenset[str]:
+        version = (self.fleet.version, self.base_model)
+        if self._bases_cache[0] != version:
+            bases = self.fleet.base_models() | ({self.base_model} if self.base_model else set())
+            self._bases_cache = (version, frozenset(bases))
+        return self._bases_cache[1]
+
     def _pick_server(self, spec: AdapterSpec, base_hint: str | None) -> tuple[ModelServer | None, str | None]:
+        fleet = self.fleet
+        cached = self._placement.get(spec.name)
+        if cached is None or cached[0] != fleet.version or cached[1] is not spec or cached[2] != base_hint:
+            cached = (fleet.version, spec, base_hint, *self._placement_for(spec, base_hint))
+            self._placement[spec.name] = cached
+        ordered, reason = cached[3], cached[4]
+        if reason is not None or not ordered:
+            return None, reason
+        first_with_room = None
+        name = spec.name
+        for s in ordered:  # rendezvous order: first resident wins, else first with room
+            if not s.healthy:
+                continue
+            if name in s.resident:
+                return s, None
+            if first_with_room is None and len(s.resident) < s.capacity:
+                first_with_room = s
+        if first_with_room is not None:
+            return first_with_room, None
+        healthy = [s for s in ordered if s.healthy]
+        return (healthy[0], None) if healthy else (None, "no_capacity")
+
+    def _placement_for(self, spec: AdapterSpec, base_hint: str | None) -> tuple[list[ModelServer], str | None]:
+        """Servers that can run ``spec``, in rendezvous (highest random weight) order, or why none can."""
         servers = self.fleet.servers
         if not servers:
             if not same_base(self.base_model, spec.base_model):
-                return None, "incompatible_base"
+                return [], "incompatible_base"
             if compatibility(spec, self.engine, self.max_lora_rank):
-                return None, "unsupported_by_engine"
-            return None, None
-        cands = [s for s in servers if s.healthy and same_base(s.base_model, spec.base_model)
+                return [], "unsupported_by_engine"
+            return [], None
+        cands = [s for s in servers if same_base(s.base_model, spec.base_model)
                  and (base_hint is None or s.base_model == base_hint)]
         if not cands:
-            return None, "incompatible_base"
+            return [], "incompatible_base"
         cands = [s for s in cands if not compatibility(spec, s.kind, s.max_lora_rank)]
         if not cands:
-            return None, "unsupported_by_engine"
-        if len(cands) == 1:
-            return cands[0], None
-        resident = [s for s in cands if spec.name in s.resident]
-        pool = resident or [s for s in cands if len(s.resident) < s.capacity] or cands
+            return [], "unsupported_by_engine"
         key = int(spec.hash, 16)
-        return max(pool, key=lambda s: _mix(key ^ s.name_hash)), None
+        return sorted(cands, key=lambda s: _mix(key ^ s.name_hash), reverse=True), None
 
     def _base_server(self, model: str | None, tenant: str | None) -> ModelServer | None:
-        cands = [s for s in self.fleet.servers if s.healthy and (model is None or same_base(s.base_model, model))]
+        fleet = self.fleet
+        cached = self._base_cands.get(model)
+        if cached is None or cached[0] != fleet.version:
+            cands = [s for s in fleet.servers if model is None or same_base(s.base_model, model)]
+            cached = self._base_cands[model] = (fleet.version, cands)
+            if len(self._base_cands) > 4096:  # arbitrary client-sent model names must not grow this forever
+                self._base_cands.clear()
+        cands = cached[1]
+        if len(cands) == 1 and cands[0].healthy:
+            return cands[0]
+        cands = [s for s in cands if s.healthy]
         if len(cands) <= 1:
             return cands[0] if cands else None
-        key = int(adapter_hash(tenant or ""), 16)
+        key = int(adapter_hash(tenant or ""), 16)  # tenant affinity keeps prefix caches warm
         return max(cands, key=lambda s: _mix(key ^ s.name_hash))
 
     def _base_decision(self, mode: Mode, req: RouteRequest, t0: int) -> Decision:
@@ -357,6 +399,9 @@ class MultiLoRA:
         """Turn an applied decision into a :class:`TraceEvent`, store it and count it (None when not consulted)."""
         if decision.action is None:
             return None
+        if decision.denied:
+            log.warning("denied: tenant %r may not use adapter %r (answered as unknown_adapter)",
+                        decision.tenant, decision.adapter)
         spec = decision.spec
         if swap_ms is None:
             swap_ms = decision.swap_ms
