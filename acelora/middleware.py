@@ -14,8 +14,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from acelora.errors import InvalidRequest
+from acelora.fleet import ModelServer
 from acelora.skill import OVERRIDE_HEADER, TENANT_HEADER, Decision, MultiLoRA, RouteRequest
-from acelora.trace import SERVED_BY_HEADER, TRACE_HEADER, encode_header
+from acelora.trace import SERVED_BY_HEADER, TRACE_HEADER, TraceEvent, encode_header
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -65,16 +66,24 @@ async def send_json(send: Send, status: int, body: bytes, headers: Iterable[tupl
     await send({"type": "http.response.body", "body": body})
 
 
-def trace_headers(skill: MultiLoRA, decision: Decision, served_by: str | None,
-                  overhead_ms: float | None) -> list[tuple[bytes, bytes]]:
-    """Record ``decision`` and return its ``x-ace-trace-multi-lora`` / ``x-ace-served-by`` headers ([] when off)."""
-    event = skill.record(decision, served_by=served_by, overhead_ms=overhead_ms)
+def event_headers(event: TraceEvent | None) -> list[tuple[bytes, bytes]]:
+    """The ``x-ace-trace-multi-lora`` / ``x-ace-served-by`` headers of a recorded event ([] for None).
+
+    >>> event_headers(None)
+    []
+    """
     if event is None:
         return []
     out = [(_OUR_HEADERS[0], encode_header(event).encode("latin-1"))]
     if event.served_by:
         out.append((_OUR_HEADERS[1], event.served_by.encode("latin-1", "replace")))
     return out
+
+
+def trace_headers(skill: MultiLoRA, decision: Decision, served_by: str | None,
+                  overhead_ms: float | None) -> list[tuple[bytes, bytes]]:
+    """Record ``decision`` and return its trace headers ([] when the skill was not consulted)."""
+    return event_headers(skill.record(decision, served_by=served_by, overhead_ms=overhead_ms))
 
 
 Loader = Callable[[MultiLoRA, Decision], Awaitable[Decision]]
@@ -89,11 +98,14 @@ class MultiLoRAMiddleware:
     ``tenant_from_header``: take the tenant from ``x-ace-tenant-id`` when no auth layer put one in
     ``scope["acelora.tenant"]``. ``loader``: awaited for prod decisions whose adapter must be loaded
     first (default: :func:`acelora.loading.ensure_adapter` with a shared, bounded httpx client).
+    ``default_server``: where the app sends requests when the skill has no fleet; its ``resident`` set
+    tells ``route()`` which adapters need no load.
     """
 
     def __init__(self, app: ASGIApp, skill: MultiLoRA, *, paths: Iterable[str] = DEFAULT_PATHS,
                  max_body_bytes: int = DEFAULT_MAX_BODY, tenant_from_header: bool = True,
-                 served_by: str | None = None, loader: Loader | None = None, load_timeout_s: float = 60.0) -> None:
+                 served_by: str | None = None, loader: Loader | None = None, load_timeout_s: float = 60.0,
+                 default_server: ModelServer | None = None) -> None:
         self.app = app
         self.skill = skill
         self.paths = frozenset(paths)
@@ -102,6 +114,7 @@ class MultiLoRAMiddleware:
         self.served_by = served_by
         self.loader = loader or self._default_loader
         self.load_timeout_s = load_timeout_s
+        self.default_server = default_server
         self._http: Any = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -172,6 +185,10 @@ class MultiLoRAResponder:
         except InvalidRequest as e:
             await send_json(send, 400, openai_error(400, str(e), "BadRequestError", OVERRIDE_HEADER))
             return
+        default = mw.default_server
+        if default is not None and not len(mw.skill.fleet):
+            name = req.lora_name or req.model
+            req.resident = name in default.resident if name else None
         decision = mw.skill.route(req)
         swap_ns = 0
         if decision.needs_load:
