@@ -113,6 +113,7 @@ class MultiLoRAMiddleware:
         self.tenant_from_header = tenant_from_header
         self.served_by = served_by
         self.loader = loader or self._default_loader
+        self._custom_loader = loader is not None
         self.load_timeout_s = load_timeout_s
         self.default_server = default_server
         self._http: Any = None
@@ -137,7 +138,12 @@ class MultiLoRAMiddleware:
 
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.load_timeout_s, connect=5.0))
-        return await ensure_adapter(skill, decision, self._http)
+        default = self.default_server if decision.server is None else None
+        decision = await ensure_adapter(skill, decision, self._http,
+                                        base_url=default.endpoint if default is not None else None)
+        if default is not None and decision.resident and decision.adapter:
+            default.resident.add(decision.adapter)
+        return decision
 
     async def aclose(self) -> None:
         """Close the HTTP client used for adapter loads (if one was opened)."""
@@ -191,7 +197,7 @@ class MultiLoRAResponder:
             req.resident = name in default.resident if name else None
         decision = mw.skill.route(req)
         swap_ns = 0
-        if decision.needs_load:
+        if decision.needs_load and (decision.server is not None or default is not None or mw._custom_loader):
             t = _perf_ns()
             decision = await mw.loader(mw.skill, decision)
             swap_ns = _perf_ns() - t

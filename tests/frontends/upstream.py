@@ -7,6 +7,7 @@ streams SSE ending in ``data: [DONE]``, loads adapters at runtime (plain-text su
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -27,6 +28,7 @@ class UpstreamState:
     runtime_loading: bool = True
     fail_loads: set[str] = field(default_factory=set)
     fail_next: int = 0
+    delay_s: float = 0.0
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     loads: list[dict[str, Any]] = field(default_factory=list)
@@ -45,6 +47,8 @@ def create_upstream(state: UpstreamState) -> Starlette:
         body = json.loads(await request.body())
         state.received.append(body)
         state.headers.append(dict(request.headers))
+        if state.delay_s:
+            await asyncio.sleep(state.delay_s)
         if state.fail_next > 0:
             state.fail_next -= 1
             return JSONResponse({"error": {"message": "overloaded", "type": "ServiceUnavailableError",
