@@ -197,6 +197,15 @@ def fill_pages(
     _check_finite(plan, runs)
 
 
+def copy_flat(
+    runs: Sequence[tuple[int, torch.Tensor]], flat: torch.Tensor, stream: torch.cuda.Stream | None = None
+) -> None:
+    """Copy a validated flat adapter (from :func:`fill_pages` into one host tensor) into page runs."""
+    _scatter(runs, 0, flat, stream)
+    if stream is not None:
+        stream.synchronize()
+
+
 def _clip(runs: Sequence[tuple[int, torch.Tensor]], numel: int):
     for start, view in runs:
         if start >= numel:

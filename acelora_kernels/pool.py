@@ -27,7 +27,14 @@ from torch import nn
 
 from acelora.errors import ConfigError
 from acelora_kernels.errors import AdapterInUse, AdapterNotResident, AdapterTooLarge, PoolFull
-from acelora_kernels.loader import AdapterPlan, ModuleSpec, fill_pages, module_tables, plan_adapter
+from acelora_kernels.loader import (
+    AdapterPlan,
+    ModuleSpec,
+    copy_flat,
+    fill_pages,
+    module_tables,
+    plan_adapter,
+)
 
 DEFAULT_PAGE_ELEMS = 4096
 
@@ -175,29 +182,39 @@ class AdapterPool:
     def _load_cold(self, name: str, path: str, t0: float) -> LoadResult:
         plan = plan_adapter(Path(path), self.modules, self.dtype)
         need = -(-plan.numel // self.page_elems)
+        staging = None
         with self._lock:
-            old = self._resident.get(name)
-            if old is not None and old.users:
-                raise AdapterInUse(f"{name} is used by the running batch; reload it after the batch")
-            pages = self._allocate(need, plan, exclude=name)
+            self._check_replaceable(name)
+            pages = self._allocate(need, plan, name, evict=False)
+        if pages is None:
+            # Room means evicting others: read and validate first, so a bad adapter costs nothing.
+            staging = torch.empty(plan.numel, dtype=self.dtype)
+            fill_pages(plan, [(0, staging)])
+            with self._lock:
+                pages = self._allocate(need, plan, name, evict=True)
         try:
-            fill_pages(plan, self._runs(pages), self._stream)
+            if staging is None:
+                fill_pages(plan, self._runs(pages), self._stream)
+            else:
+                copy_flat(self._runs(pages), staging, self._stream)
             entry = self._entry(name, path, plan, pages)
+            with self._lock:
+                self._check_replaceable(name)  # a batch may have acquired the old one meanwhile
+                if name in self._resident:
+                    self._drop(name)
+                self._resident[name] = entry
+                ms = (time.perf_counter() - t0) * 1e3
+                self._load_ms.append(ms)
         except BaseException:
             with self._lock:
                 self._free[pages] = True
             raise
-        with self._lock:
-            old = self._resident.get(name)
-            if old is not None and old.users:  # acquired by a batch while we were reading
-                self._free[pages] = True
-                raise AdapterInUse(f"{name} is used by the running batch; reload it after the batch")
-            if old is not None:
-                self._drop(name)
-            self._resident[name] = entry
-            ms = (time.perf_counter() - t0) * 1e3
-            self._load_ms.append(ms)
         return LoadResult(name, entry.nbytes, len(pages), ms, True)
+
+    def _check_replaceable(self, name: str) -> None:
+        old = self._resident.get(name)
+        if old is not None and old.users:
+            raise AdapterInUse(f"{name} is used by the running batch; reload it after the batch")
 
     def prefetch(self, name: str, path: str | os.PathLike[str]) -> Future[LoadResult]:
         """Load in a background thread; on CUDA through pinned staging on a side stream.
@@ -210,7 +227,8 @@ class AdapterPool:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="acelora-prefetch")
             return self._executor.submit(self.load, name, path)
 
-    def _allocate(self, need: int, plan: AdapterPlan, exclude: str) -> np.ndarray:
+    def _allocate(self, need: int, plan: AdapterPlan, exclude: str, evict: bool) -> np.ndarray | None:
+        """Take ``need`` pages, evicting LRU victims if ``evict``; None if that would be needed."""
         if need > self.num_pages:
             raise AdapterTooLarge(
                 f"{plan.path}: needs {need * self.page_elems * self.element_size} bytes ({need} pages), "
@@ -231,6 +249,8 @@ class AdapterPool:
                     "(the rest are pinned or in the running batch); unpin adapters, "
                     "wait for the batch, or raise budget_bytes"
                 )
+            if not evict:
+                return None
             for n in victims:
                 self._drop(n)
                 self._evictions += 1
@@ -327,27 +347,6 @@ class AdapterPool:
         with self._lock:
             for e in entries:
                 e.users -= 1
-
-    def views(self, entry: ResidentAdapter) -> dict[int, tuple[torch.Tensor, torch.Tensor, float]]:
-        """Per module index: ``(lora_A [r, d_in], lora_B [d_out, r], scaling)`` read from the pages.
-
-        Zero-copy views when the adapter's pages are one run; otherwise a gathered copy, cached
-        until the adapter is evicted.
-        """
-        if entry.views is None:
-            with self._lock:
-                if entry.views is None:
-                    runs = self._runs(entry.pages)
-                    flat = runs[0][1] if len(runs) == 1 else self.buffer[entry.page_table.long()].view(-1)
-                    entry.views = {
-                        s.index: (
-                            flat[s.a_off : s.a_off + s.rank * s.in_features].view(s.rank, s.in_features),
-                            flat[s.b_off : s.b_off + s.rank * s.out_features].view(s.out_features, s.rank),
-                            s.scaling,
-                        )
-                        for s in entry.plan.modules
-                    }
-        return entry.views
 
     def stats(self) -> dict[str, Any]:
         """Pages used/free, utilization (adapter bytes / bytes of the pages they hold), timings.

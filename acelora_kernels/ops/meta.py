@@ -37,7 +37,8 @@ class LoraBatchMeta:
     max_rank: list[int]  # per module: the widest rank any adapter of the batch has there (0: none)
     token_slot: torch.Tensor  # [N] int32
     segments: list[tuple[int, int, int]]  # (start, end, slot) over adapter tokens only
-    seg_start: torch.Tensor  # [S + 1] int32
+    seg_start: torch.Tensor  # [S] int32
+    seg_end: torch.Tensor  # [S] int32 (base rows between segments belong to none)
     seg_slot: torch.Tensor  # [S] int32
     max_seg_len: int
     groups: list[tuple[int, slice | torch.Tensor]]  # per slot: its tokens
@@ -83,9 +84,8 @@ def build_meta(
     )
     max_rank = rank.amax(0).tolist() if entries else [0] * num_modules
     token_slot = torch.tensor(row_slot, dtype=torch.int32).repeat_interleave(t).to(dev)
-    seg_start = torch.tensor(
-        [s for s, _, _ in segments] + [segments[-1][1] if segments else 0], dtype=torch.int32, device=dev
-    )
+    seg_start = torch.tensor([s for s, _, _ in segments], dtype=torch.int32, device=dev)
+    seg_end = torch.tensor([e for _, e, _ in segments], dtype=torch.int32, device=dev)
     meta = LoraBatchMeta(
         backend=backend,
         num_tokens=n,
@@ -95,12 +95,13 @@ def build_meta(
         token_slot=token_slot,
         segments=segments,
         seg_start=seg_start,
+        seg_end=seg_end,
         seg_slot=torch.tensor([k for _, _, k in segments], dtype=torch.int32, device=dev),
         max_seg_len=max((e - s for s, e, _ in segments), default=0),
         groups=groups,
     )
     if backend == "torch":
-        meta.views = [pool.views(e) for e in entries]
+        meta.views = [adapter_views(pool, e) for e in entries]
     else:
         max_pages = max((len(e.pages) for e in entries), default=1)
         table = torch.zeros(max(len(entries), 1), max_pages, dtype=torch.int32, device=dev)
@@ -112,3 +113,31 @@ def build_meta(
             meta.b_off = torch.stack([e.b_off for e in entries])
             meta.scale = torch.stack([e.scale for e in entries])
     return meta
+
+
+def adapter_views(pool: AdapterPool, entry: ResidentAdapter) -> Views:
+    """Per module index: ``(lora_A [r, d_in], lora_B [d_out, r], scaling)`` read from the pages.
+
+    Zero-copy views of the pool buffer when the adapter's pages are one run (the usual case, see
+    the pool's best-fit allocation); otherwise one gathered copy. Cached on the entry, which the
+    pool clears on eviction; callers hold the adapter (``pool.acquire``) so it cannot go meanwhile.
+
+    >>> views = adapter_views(pool, pool.acquire(["legal-v1"])[0])  # doctest: +SKIP
+    >>> a, b, scaling = views[module_index]  # doctest: +SKIP
+    """
+    if entry.views is None:
+        pages = entry.pages
+        if pages[-1] - pages[0] + 1 == len(pages):
+            pe = pool.page_elems
+            flat = pool.buffer.view(-1)[int(pages[0]) * pe : (int(pages[-1]) + 1) * pe]
+        else:
+            flat = pool.buffer[entry.page_table.long()].view(-1)
+        entry.views = {
+            s.index: (
+                flat[s.a_off : s.a_off + s.rank * s.in_features].view(s.rank, s.in_features),
+                flat[s.b_off : s.b_off + s.rank * s.out_features].view(s.out_features, s.rank),
+                s.scaling,
+            )
+            for s in entry.plan.modules
+        }
+    return entry.views
