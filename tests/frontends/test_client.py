@@ -157,3 +157,4 @@ async def test_async_reject_and_fallback(make_skill, upstream):
     raw = await client.chat.completions.with_raw_response.create(model="tiny-llama", messages=MESSAGES,
                                                                  extra_body={"lora_name": "broken-v1"})
     assert raw.parse().model == "tiny-llama" and trace(raw).fallback_reason == "load_failed"
+    await client.close()

@@ -161,13 +161,16 @@ async def test_streamed_response_arrives_untouched_in_chunks(make_skill):
 
 async def test_loads_the_adapter_on_its_fleet_server_before_the_app_runs(make_skill, upstream):
     skill = make_skill("prod")
-    async with client_for(echo_app(skill)) as c:
+    app = echo_app(skill)
+    mw = MultiLoRAMiddleware(app.router, skill=skill)  # wrapped by hand so the test can close its load client
+    async with client_for(mw) as c:
         r = await c.post("/v1/chat/completions", json={"model": "code-python-v2"})
         assert r.json()["action"] == "adapter_cold_loaded_applied" and upstream.loads
         r = await c.post("/v1/chat/completions", json={"model": "broken-v1"})
         t = decode_header(r.headers["x-ace-trace-multi-lora"])
         assert (t.action, t.fallback_reason) == ("fallback_base_model", "load_failed")
         assert json.loads(r.json()["raw"])["model"] == "tiny-llama"
+    await mw.aclose()
 
 
 def test_inside_fastapi_with_the_sdk_over_uvicorn_streaming_and_raw_headers(make_skill):
