@@ -110,9 +110,20 @@ def _validation_message(e: ValidationError) -> str:
     return f"{where}: {err['msg']}"
 
 
-async def _json_body(request: Request) -> Any:
+class BodyTooLarge(AceloraError):
+    """A request body over the gateway's ``max_body_bytes`` (answered 413)."""
+
+
+async def _json_body(request: Request, limit: int) -> Any:
+    """The request's JSON, read with a bound (routes the middleware does not buffer need their own)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"Request body is larger than {limit} bytes.")
+        chunks.append(chunk)
     try:
-        return json.loads(await request.body())
+        return json.loads(b"".join(chunks))
     except ValueError:
         raise InvalidRequest("Request body is not valid JSON.") from None
 
@@ -121,8 +132,9 @@ class Gateway:
     """State and handlers of one gateway app (see :func:`create_gateway`)."""
 
     def __init__(self, skill: MultiLoRA, upstream: ModelServer | None, timeout: httpx.Timeout,
-                 salt_secret: bytes, http_client: httpx.AsyncClient | None) -> None:
+                 salt_secret: bytes, http_client: httpx.AsyncClient | None, max_body_bytes: int) -> None:
         self.skill = skill
+        self.max_body_bytes = max_body_bytes
         self.upstream = upstream
         self.timeout = timeout
         self.salt_secret = salt_secret
@@ -153,7 +165,7 @@ class Gateway:
 
     # -- OpenAI routes ------------------------------------------------------------------------
     async def proxy(self, request: Request) -> Response:
-        body = await _json_body(request)
+        body = await _json_body(request, self.max_body_bytes)
         if not isinstance(body, dict):
             return _bad_request("Request body must be a JSON object.")
         for field, kind, name in (("model", str, "a string"), ("stream", bool, "a boolean"),
@@ -172,7 +184,7 @@ class Gateway:
     async def execute(self, request: Request) -> Response:
         t0 = time.perf_counter_ns()
         try:
-            ex = ExecuteRequest.model_validate(await _json_body(request))
+            ex = ExecuteRequest.model_validate(await _json_body(request, self.max_body_bytes))
         except ValidationError as e:
             return _bad_request(_validation_message(e))
         tenant = _tenant(request.scope)
@@ -225,7 +237,7 @@ class Gateway:
         if not request.scope.get(ADMIN_KEY):
             return error_response(403, "Fleet routes need the admin key.", "PermissionDeniedError")
         try:
-            spec = ServerIn.model_validate(await _json_body(request))
+            spec = ServerIn.model_validate(await _json_body(request, self.max_body_bytes))
         except ValidationError as e:
             return _bad_request(_validation_message(e))
         if spec.api_key_env is not None and not _ENV_NAME.fullmatch(spec.api_key_env):
@@ -291,6 +303,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _acelora_error(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, BodyTooLarge):
+        return error_response(413, str(exc), "BadRequestError")
     return _bad_request(str(exc))
 
 
@@ -318,7 +332,7 @@ def create_gateway(skill: MultiLoRA, *, upstream: str | ModelServer | None = Non
         max_body_bytes = gw_cfg.max_body_bytes if gw_cfg is not None else DEFAULT_MAX_BODY
     secret = cache_salt_secret or os.environ.get("ACELORA_CACHE_SALT_SECRET") or os.urandom(32)
     gw = Gateway(skill, upstream, httpx.Timeout(timeout_s, connect=connect_timeout_s),
-                 secret.encode() if isinstance(secret, str) else secret, http_client)
+                 secret.encode() if isinstance(secret, str) else secret, http_client, max_body_bytes)
     routes = [
         Route("/v1/chat/completions", gw.proxy, methods=["POST"]),
         Route("/v1/completions", gw.proxy, methods=["POST"]),

@@ -3,7 +3,9 @@
 The downstream app finds the applied :class:`~acelora.skill.Decision` in ``scope["acelora.decision"]``
 (the contract; also ``request.state.acelora`` in Starlette, through ``scope["state"]``). It may replace
 that decision (e.g. after a failed load) and set ``scope["acelora.served_by"]`` before it answers: the
-trace headers are written from what the scope holds when the response starts.
+trace headers are written from what the scope holds when the response starts. A skill in ``off`` mode
+is not consulted (no body read, no decision in the scope) unless the request carries an
+``x-ace-skill-override`` header.
 """
 
 from __future__ import annotations

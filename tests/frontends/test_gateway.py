@@ -221,6 +221,8 @@ def test_bad_override_header_is_a_400_and_oversized_body_a_413(make_skill, gatew
     assert r.status_code == 400 and r.json()["error"]["param"] == "x-ace-skill-override"
     r = chat(url, {"model": "tiny-llama", "messages": [{"role": "user", "content": "x" * 4096}]})
     assert r.status_code == 413 and "error" in r.json()
+    r = httpx.post(f"{url}/v1/execute", json={"input": {"messages": [{"role": "user", "content": "x" * 4096}]}})
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
 
 
 def test_no_upstream_at_all_is_a_503(make_skill, gateway):
