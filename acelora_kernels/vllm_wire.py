@@ -1,0 +1,288 @@
+"""vLLM 0.33's OpenAI dialect, field for field: request models, response bodies, SSE chunks, errors.
+
+Bodies are plain dicts built in vLLM's key order (``model_dump()`` keeps every null field; stream
+chunks are ``model_dump_json(exclude_unset=True)``, so only the fields vLLM sets appear). See the
+recorded exchanges in ``tests/fixtures/wire`` / ``shared/wire``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.responses import JSONResponse
+
+# sanitize_message: absolute paths under these roots, and file names with a file extension
+_ROOTS = "home|usr|opt|var|tmp|root|lib|mnt|srv"
+_PATH = re.compile(
+    rf"/(?:{_ROOTS})(?:/[^\s'\"`,;]*)?|[\w./-]*\.(?:json|safetensors|bin|pt|pth|py|txt|ya?ml|toml|gguf)\b"
+)
+
+
+def redact(message: str) -> str:
+    """Replace filesystem paths in an error message with ``<path>``, as vLLM's ``sanitize_message``.
+
+    >>> redact("No adapter found for /tmp/adapters/x")
+    'No adapter found for <path>'
+    """
+    return _PATH.sub("<path>", message)
+
+
+def error(status: int, message: str, err_type: str, param: str | None = None) -> JSONResponse:
+    """vLLM's error envelope ``{"error": {"message", "type", "param", "code"}}``.
+
+    >>> error(404, "The lora adapter 'x' cannot be found.", "NotFoundError").status_code
+    404
+    """
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def validation_error(exc: ValidationError) -> JSONResponse:
+    """A pydantic failure on a request body as vLLM's 400 ``BadRequestError``."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    return error(400, f"{where}: {first['msg']}" if where else first["msg"], "BadRequestError", where or None)
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    """One server-sent event line as vLLM writes it (compact JSON, blank line after)."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def request_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(8)}"
+
+
+# -- requests ------------------------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")  # vLLM ignores fields it does not know
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _Sampling(_Body):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    lora_prefetch: str | list[str] | bool | None = None  # acelora hint: adapters to pre-load
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 16 or any(len(s) > 256 for s in stops):
+            raise ValueError("at most 16 stop strings of at most 256 characters each")
+        return v
+
+    def stop_list(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions`` (the fields this engine honours; others are accepted and ignored).
+
+    >>> ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]}).n
+    1
+    """
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions`` with one prompt (a string, a one-string list, or token ids).
+
+    >>> CompletionRequest.model_validate({"prompt": "Once"}).prompt
+    'Once'
+    """
+
+    prompt: str | list[str] | list[int]
+    echo: Literal[False] | None = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: str | list[str] | list[int]) -> str | list[str] | list[int]:
+        if isinstance(v, list) and v and isinstance(v[0], str) and len(v) != 1:
+            raise ValueError("exactly one prompt per request")
+        if v == "" or v == []:
+            raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")
+        return v
+
+
+class LoadLoRAAdapterRequest(_Body):
+    lora_name: str = ""
+    lora_path: str = ""
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    lora_name: str = ""
+    lora_int_id: int | None = None
+
+
+# -- responses -----------------------------------------------------------------------------------
+
+
+def usage(prompt: int, completion: int, details: bool = True) -> dict[str, Any]:
+    u: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+    }
+    if details:
+        u.update(prompt_tokens_details=None, completion_tokens_details=None)
+    return u
+
+
+def chat_response(
+    rid: str,
+    model: str,
+    text: str,
+    finish: str,
+    stop_reason: Any,
+    prompt: int,
+    completion: int,
+    fingerprint: str,
+) -> dict[str, Any]:
+    message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
+               "function_call": None, "reasoning": None}  # fmt: skip
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason,
+              "token_ids": None, "routed_experts": None, "weight_versions": None}  # fmt: skip
+    return {
+        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model, "choices": [choice],
+        "service_tier": None, "system_fingerprint": fingerprint, "usage": usage(prompt, completion),
+        "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": None,
+        "ec_transfer_params": None, "metrics": None,
+    }  # fmt: skip
+
+
+def completion_response(
+    rid: str,
+    model: str,
+    text: str,
+    finish: str,
+    stop_reason: Any,
+    prompt: int,
+    completion: int,
+    fingerprint: str,
+) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason,
+              "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None}  # fmt: skip
+    return {
+        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": [choice],
+        "service_tier": None, "system_fingerprint": fingerprint, "usage": usage(prompt, completion),
+        "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
+    }  # fmt: skip
+
+
+class ChunkWriter:
+    """Builds one request's SSE chunks (chat or text completion) in vLLM's exact shapes.
+
+    >>> w = ChunkWriter("chat", "chatcmpl-1", "code-python-v2", "fp", include_usage=False)
+    >>> w.content("def").decode().startswith('data: {"id":"chatcmpl-1","object":"chat.completion.chunk"')
+    True
+    """
+
+    def __init__(
+        self, kind: Literal["chat", "text"], rid: str, model: str, fingerprint: str, include_usage: bool
+    ):
+        self.kind, self.rid, self.model, self.fp, self.include_usage = (
+            kind,
+            rid,
+            model,
+            fingerprint,
+            include_usage,
+        )
+        self.created = int(time.time())
+        self.obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model}
+
+    def role(self) -> bytes:
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return sse({**self._head(), "choices": [choice], "prompt_token_ids": None, "prompt_text": None})
+
+    def content(self, text: str) -> bytes:
+        if self.kind == "chat":
+            choice = {
+                "index": 0,
+                "delta": {"content": text},
+                "logprobs": None,
+                "finish_reason": None,
+                "token_ids": None,
+            }
+            return sse({**self._head(), "choices": [choice], "kv_transfer_params": None})
+        return sse({**self._head(), "choices": [self._text_choice(text, None, None)]})
+
+    def finish(self, text: str, reason: str, stop_reason: Any) -> bytes:
+        if self.kind == "chat":
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": reason,
+                      "stop_reason": stop_reason, "token_ids": None, "weight_versions": None}  # fmt: skip
+            body = {**self._head(), "choices": [choice], "kv_transfer_params": None}
+        else:
+            body = {**self._head(), "choices": [self._text_choice(text, reason, stop_reason)]}
+        if not self.include_usage:
+            body["system_fingerprint"] = self.fp
+        return sse(body)
+
+    def usage(self, prompt: int, completion: int) -> bytes:
+        return sse({**self._head(), "choices": [], "usage": usage(prompt, completion, details=False),
+                    "system_fingerprint": self.fp})  # fmt: skip
+
+    def _text_choice(self, text: str, reason: str | None, stop_reason: Any) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": stop_reason,
+                "prompt_token_ids": None, "token_ids": None}  # fmt: skip
+
+
+def model_card(model_id: str, root: str, parent: str | None, max_model_len: int | None) -> dict[str, Any]:
+    """One ``/v1/models`` entry (vLLM's ``ModelCard`` with its single ``ModelPermission``)."""
+    now = int(time.time())
+    permission = {
+        "id": f"modelperm-{secrets.token_hex(8)}", "object": "model_permission", "created": now,
+        "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+        "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+        "group": None, "is_blocking": False,
+    }  # fmt: skip
+    return {"id": model_id, "object": "model", "created": now, "owned_by": "vllm", "root": root, "parent": parent,
+            "max_model_len": max_model_len, "permission": [permission]}  # fmt: skip
