@@ -70,7 +70,11 @@ class SkillOverrides(BaseModel):
 
 
 class ExecuteRequest(_Strict):
-    """Body of ``POST /v1/execute``."""
+    """Body of ``POST /v1/execute``.
+
+    >>> ExecuteRequest.model_validate({"input": {"messages": []}}).target.model is None
+    True
+    """
 
     input: ExecuteInput
     target: ExecuteTarget = Field(default_factory=ExecuteTarget)
@@ -79,7 +83,11 @@ class ExecuteRequest(_Strict):
 
 
 class ServerIn(_Strict):
-    """Body of ``POST /v1/fleet/servers``; ``api_key_env`` must name an ``ACELORA_*`` variable."""
+    """Body of ``POST /v1/fleet/servers``; ``api_key_env`` must name an ``ACELORA_*`` variable.
+
+    >>> ServerIn(name="vllm-2", endpoint="http://gpu2:8000").kind
+    'vllm'
+    """
 
     name: str
     endpoint: str
@@ -111,7 +119,10 @@ def _validation_message(e: ValidationError) -> str:
 
 
 class BodyTooLarge(AceloraError):
-    """A request body over the gateway's ``max_body_bytes`` (answered 413)."""
+    """A request body over the gateway's ``max_body_bytes`` (answered 413).
+
+    >>> raise BodyTooLarge("Request body is larger than 4194304 bytes.")  # doctest: +SKIP
+    """
 
 
 async def _json_body(request: Request, limit: int) -> Any:
@@ -129,7 +140,11 @@ async def _json_body(request: Request, limit: int) -> Any:
 
 
 class Gateway:
-    """State and handlers of one gateway app (see :func:`create_gateway`)."""
+    """State and handlers of one gateway app (see :func:`create_gateway`).
+
+    >>> create_gateway(skill).state.gateway.skill is skill  # doctest: +SKIP
+    True
+    """
 
     def __init__(self, skill: MultiLoRA, upstream: ModelServer | None, timeout: httpx.Timeout,
                  salt_secret: bytes, http_client: httpx.AsyncClient | None, max_body_bytes: int) -> None:

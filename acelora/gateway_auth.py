@@ -34,7 +34,11 @@ def bearer_token(scope: Scope) -> str | None:
 
 
 def tenant_for_key(keys: dict[str, str], token: str) -> str | None:
-    """The tenant whose key is ``token`` (constant-time comparison against every key), or None."""
+    """The tenant whose key is ``token`` (constant-time comparison against every key), or None.
+
+    >>> tenant_for_key({"sk-1": "tenant_dev_01"}, "sk-1")
+    'tenant_dev_01'
+    """
     found = None
     raw = token.encode()
     for key, tenant in keys.items():

@@ -43,7 +43,11 @@ def cache_salt(secret: bytes, tenant: str) -> str:
 
 def pick_upstream(skill: MultiLoRA, decision: Decision | None, model: Any,
                   default: ModelServer | None) -> ModelServer | None:
-    """The decision's server, else the configured default upstream, else a healthy fleet server of ``model``."""
+    """The decision's server, else the configured default upstream, else a healthy fleet server of ``model``.
+
+    >>> pick_upstream(skill, decision, "meta-llama/Llama-3.3-70B-Instruct", None).name  # doctest: +SKIP
+    'vllm-primary'
+    """
     if decision is not None and decision.server is not None:
         return decision.server
     if default is not None:

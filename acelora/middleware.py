@@ -56,18 +56,29 @@ def openai_error(status: int, message: str, type_: str, param: str | None = None
 
 
 def not_found_body(name: str | None) -> bytes:
-    """vLLM's 404 for an unknown model; lists nothing, so a forbidden adapter looks exactly like an unknown one."""
+    """vLLM's 404 for an unknown model; lists nothing, so a forbidden adapter looks exactly like an unknown one.
+
+    >>> json.loads(not_found_body("med-qa-v1"))["error"]["message"]
+    'The model `med-qa-v1` does not exist.'
+    """
     shown = (name or "")[:128]
     return openai_error(404, f"The model `{shown}` does not exist.", "NotFoundError", "model")
 
 
 def requested_name(req: RouteRequest) -> str | None:
-    """The adapter name as the client asked for it (what a 404 may echo back)."""
+    """The adapter name as the client asked for it (what a 404 may echo back).
+
+    >>> requested_name(RouteRequest(model="tiny-llama", lora_name="code-python-v2"))
+    'code-python-v2'
+    """
     return req.lora_name if req.lora_name is not None else req.model
 
 
 async def send_json(send: Send, status: int, body: bytes, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
-    """Answer a whole JSON response through a raw ASGI ``send``."""
+    """Answer a whole JSON response through a raw ASGI ``send``.
+
+    >>> await send_json(send, 404, not_found_body("x"))  # doctest: +SKIP
+    """
     await send({"type": "http.response.start", "status": status,
                 "headers": [*_JSON_HEADERS, (b"content-length", str(len(body)).encode()), *headers]})
     await send({"type": "http.response.body", "body": body})
@@ -122,7 +133,10 @@ def event_headers(event: TraceEvent | None) -> list[tuple[bytes, bytes]]:
 
 def trace_headers(skill: MultiLoRA, decision: Decision, served_by: str | None,
                   overhead_ms: float | None) -> list[tuple[bytes, bytes]]:
-    """Record ``decision`` and return its trace headers ([] when the skill was not consulted)."""
+    """Record ``decision`` and return its trace headers ([] when the skill was not consulted).
+
+    >>> trace_headers(skill, skill.route(RouteRequest(model="code-python-v2")), "vllm-primary", 0.02)  # doctest: +SKIP
+    """
     return event_headers(skill.record(decision, served_by=served_by, overhead_ms=overhead_ms))
 
 
@@ -200,7 +214,10 @@ class MultiLoRAMiddleware:
 
 
 class MultiLoRAResponder:
-    """One request through the middleware: buffered body in, decision applied, trace headers out."""
+    """One request through the middleware: buffered body in, decision applied, trace headers out.
+
+    >>> await MultiLoRAResponder(middleware, scope)(receive, send)  # doctest: +SKIP
+    """
 
     __slots__ = ("mw", "scope", "body", "decision", "t0", "overhead_ms", "receive")
 
