@@ -76,6 +76,18 @@ def parse_load_response(kind: str, status: int, body: bytes) -> LoadOutcome:
     return LoadOutcome(False, already=status == 400 and "already been loaded" in msg, message=msg)
 
 
+def _listed(outcome: LoadOutcome, models: httpx.Response, name: str) -> LoadOutcome:
+    """With runtime loading off, an adapter is still servable when it was loaded at start-up
+    (vLLM ``--lora-modules``): then ``/v1/models`` lists it."""
+    try:
+        ids = {c.get("id") for c in models.json().get("data", []) if isinstance(c, dict)}
+    except (ValueError, AttributeError):
+        return outcome
+    if models.status_code == 200 and name in ids:
+        return LoadOutcome(False, already=True, message="served statically")
+    return LoadOutcome(False, runtime_disabled=True, message=outcome.message + f"; {name} is not among its models")
+
+
 def _headers(server: ModelServer | None) -> dict[str, str]:
     key = server.api_key if server is not None else None
     return {"authorization": f"Bearer {key}"} if key else {}
@@ -95,8 +107,7 @@ def _finish(skill: MultiLoRA, decision: Decision, outcome: LoadOutcome, ms: floa
         decision.swap_ms = ms
         decision.resident = True
         decision.needs_load = False
-        if decision.server is not None:
-            decision.server.resident.add(decision.adapter or "")
+        (decision.server.resident if decision.server is not None else skill.resident).add(decision.adapter or "")
         if outcome.ok and decision.spec is not None:
             skill.observe_load(decision.spec.name, ms, decision.spec.size_bytes)
         return decision
@@ -133,9 +144,13 @@ async def ensure_adapter(skill: MultiLoRA, decision: Decision, client: httpx.Asy
     t0 = time.perf_counter()
     try:
         url, body = load_request(kind, endpoint, decision.spec.name, decision.spec.path)  # type: ignore[misc]
+        headers = _headers(decision.server)
         try:
-            r = await client.post(url, json=body, headers=_headers(decision.server), timeout=skill.load_timeout_s)
+            r = await client.post(url, json=body, headers=headers, timeout=skill.load_timeout_s)
             outcome = parse_load_response(kind, r.status_code, r.content)
+            if outcome.runtime_disabled:
+                m = await client.get(f"{endpoint}/v1/models", headers=headers, timeout=skill.load_timeout_s)
+                outcome = _listed(outcome, m, decision.spec.name)
         except httpx.HTTPError as e:
             outcome = LoadOutcome(False, message=f"{type(e).__name__}: {e}")
         ms = (time.perf_counter() - t0) * 1000
@@ -165,9 +180,13 @@ def ensure_adapter_sync(skill: MultiLoRA, decision: Decision, client: httpx.Clie
         if decision.server is not None and decision.spec.name in decision.server.resident:
             return _finish(skill, decision, LoadOutcome(True, already=True), (time.perf_counter() - t0) * 1000)
         url, body = load_request(kind, endpoint, decision.spec.name, decision.spec.path)  # type: ignore[misc]
+        headers = _headers(decision.server)
         try:
-            r = client.post(url, json=body, headers=_headers(decision.server), timeout=skill.load_timeout_s)
+            r = client.post(url, json=body, headers=headers, timeout=skill.load_timeout_s)
             outcome = parse_load_response(kind, r.status_code, r.content)
+            if outcome.runtime_disabled:
+                m = client.get(f"{endpoint}/v1/models", headers=headers, timeout=skill.load_timeout_s)
+                outcome = _listed(outcome, m, decision.spec.name)
         except httpx.HTTPError as e:
             outcome = LoadOutcome(False, message=f"{type(e).__name__}: {e}")
     return _finish(skill, decision, outcome, (time.perf_counter() - t0) * 1000)

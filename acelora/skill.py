@@ -217,6 +217,7 @@ class MultiLoRA:
         self.api_keys = dict(api_keys or {})  # bearer key -> tenant (gateway auth)
         self.admin_key = admin_key
         self.config: Any = None  # the validated AceloraConfig when built by from_config()
+        self.resident: set[str] = set()  # adapters known loaded on the upstream when there is no fleet
         self._placement: dict[str, tuple[Any, ...]] = {}  # adapter -> (fleet version, spec, hint, servers, reason)
         self._base_cands: dict[str | None, tuple[int, list[ModelServer]]] = {}
         self._bases_cache: tuple[Any, frozenset[str]] = (None, frozenset())
@@ -278,7 +279,7 @@ class MultiLoRA:
             return decision
         resident = req.resident
         if resident is None:
-            resident = server is not None and name in server.resident
+            resident = name in (server.resident if server is not None else self.resident)
         kind = server.kind if server is not None else self.engine
         base = ((server.base_model if server else None) or base_hint or self.base_model
                 or (req.model if req.lora_name is not None else None))

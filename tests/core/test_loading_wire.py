@@ -66,7 +66,9 @@ def test_load_outcomes_in_each_dialect(kind, fx, action, reason):
     d = asyncio.run(ensure_adapter(skill, skill.route(RouteRequest(model="code-python-v2")), client))
     assert (d.action, d.fallback_reason) == (action, reason)
     path = "/v1/load_lora_adapter" if kind == "vllm" else "/load_lora_adapter"
-    assert seen == [("POST", path, {"lora_name": "code-python-v2", "lora_path": "/models/adapters/code-python-v2"})]
+    assert seen[0] == ("POST", path, {"lora_name": "code-python-v2", "lora_path": "/models/adapters/code-python-v2"})
+    # only "runtime loading disabled" asks /v1/models whether the adapter is served statically
+    assert len(seen) == (2 if fx == "vllm__load_runtime_disabled" else 1)
     if reason is None:
         assert d.swap_ms is not None and d.swap_ms >= 0 and "code-python-v2" in server.resident
         event = skill.record(d)
@@ -74,6 +76,18 @@ def test_load_outcomes_in_each_dialect(kind, fx, action, reason):
         assert skill.route(RouteRequest(model="code-python-v2")).action == "adapter_prefetched_applied"
     else:
         assert d.model == BASE and "code-python-v2" not in server.resident
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_runtime_loading_off_but_adapter_served_statically_counts_as_resident(sync):
+    skill, server = skill_for("vllm")
+    handler = replay("vllm__load_runtime_disabled", "vllm__models_with_adapters")
+    decision = skill.route(RouteRequest(model="code-python-v2"))
+    if sync:
+        d = ensure_adapter_sync(skill, decision, httpx.Client(transport=httpx.MockTransport(handler)))
+    else:
+        d = asyncio.run(ensure_adapter(skill, decision, httpx.AsyncClient(transport=httpx.MockTransport(handler))))
+    assert d.applied and d.resident and "code-python-v2" in server.resident
 
 
 def test_sync_loading_matches_async():
