@@ -96,6 +96,8 @@ class _Router:
                 key = server.api_key
                 if key:
                     headers["authorization"] = f"Bearer {key}"
+                elif url.host != request.url.host:
+                    headers.pop("authorization", None)  # the client's key was meant for its own base_url
             content = request.content if out is payload else json.dumps(out, separators=(",", ":")).encode()
             plan.request = lib.Request(request.method, url, headers=headers, content=content,
                                        extensions=request.extensions)

@@ -220,6 +220,11 @@ async def probe_server(server: ModelServer, client: httpx.AsyncClient, timeout_s
     if server.base_model is None and bases:
         server.base_model = bases[0]
     server.resident = {c["id"] for c in cards if c.get("parent")}  # vLLM and SGLang list loaded adapters
+    if server.kind == "vllm" and server.base_model_bytes is None:
+        # acelora's embedded engine says how big its base model is (for vram_mb_saved); vLLM answers 404.
+        info = await client.get(f"{server.endpoint}/acelora/info", headers=headers, timeout=timeout_s)
+        if info.status_code == 200 and isinstance(info.json().get("base_weight_bytes"), int):
+            server.base_model_bytes = info.json()["base_weight_bytes"]
     if server.kind == "vllm":
         # An empty load is harmless: 400 (fields missing) when runtime loading is on, 404 when it is off.
         r = await client.post(f"{server.endpoint}/v1/load_lora_adapter", json={"lora_name": "", "lora_path": ""},

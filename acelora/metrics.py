@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from acelora.trace import TraceEvent
@@ -18,6 +20,7 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self._children: dict[tuple[str, str, str], Any] = {}
         self.requests = Counter(
             "acelora_multi_lora_requests",
             "Multi-LoRA decisions by mode, action and fallback reason.",
@@ -38,7 +41,11 @@ class Metrics:
         )
 
     def observe(self, event: TraceEvent) -> None:
-        self.requests.labels(event.mode, event.action, event.fallback_reason or "").inc()
+        key = (event.mode, event.action, event.fallback_reason or "")
+        child = self._children.get(key)
+        if child is None:  # .labels() costs a few µs per call; the label sets are few
+            child = self._children[key] = self.requests.labels(*key)
+        child.inc()
         if event.swap_ms is not None:
             self.swap_ms.observe(event.swap_ms)
         if event.overhead_ms is not None:

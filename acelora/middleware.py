@@ -13,15 +13,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import fields
-from operator import attrgetter
 from typing import Any
-from urllib.parse import quote
 
 from acelora.errors import InvalidRequest
 from acelora.fleet import ModelServer
 from acelora.skill import OVERRIDE_HEADER, TENANT_HEADER, Decision, Mode, MultiLoRA, RouteRequest
-from acelora.trace import SERVED_BY_HEADER, TRACE_HEADER, TraceEvent
+from acelora.trace import SERVED_BY_HEADER, TRACE_HEADER, TraceEvent, encode_header
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -84,39 +81,6 @@ async def send_json(send: Send, status: int, body: bytes, headers: Iterable[tupl
     await send({"type": "http.response.body", "body": body})
 
 
-# Same output as trace.encode_header (a test holds them equal), cheaper: one C call fetches every field,
-# and the percent-encoded form of the few strings that recur (modes, actions, names) is remembered.
-_NAMES = tuple(f.name for f in fields(TraceEvent) if f.name != "skill")
-_KEYS = tuple(("adapter" if n == "adapter_name" else n) + "=" for n in _NAMES)
-_values = attrgetter(*_NAMES)
-_quoted: dict[str, str] = {}
-
-
-def encode_trace(event: TraceEvent) -> str:
-    """``trace.encode_header(event)``, computed faster (it runs on every response).
-
-    >>> encode_trace(TraceEvent(mode="shadow", action="would_load_lora", timestamp=1.5))
-    'mode=shadow,action=would_load_lora,timestamp=1.5'
-    """
-    parts = []
-    for key, value in zip(_KEYS, _values(event), strict=True):
-        if value is None:
-            continue
-        if value is True or value is False:
-            parts.append(key + ("true" if value else "false"))
-        elif isinstance(value, float):
-            parts.append(key + repr(value))
-        else:
-            text = str(value)
-            q = _quoted.get(text)
-            if q is None:
-                if len(_quoted) > 4096:
-                    _quoted.clear()
-                q = _quoted[text] = quote(text, safe="._-:/")
-            parts.append(key + q)
-    return ",".join(parts)
-
-
 def event_headers(event: TraceEvent | None) -> list[tuple[bytes, bytes]]:
     """The ``x-ace-trace-multi-lora`` / ``x-ace-served-by`` headers of a recorded event ([] for None).
 
@@ -125,7 +89,7 @@ def event_headers(event: TraceEvent | None) -> list[tuple[bytes, bytes]]:
     """
     if event is None:
         return []
-    out = [(_OUR_HEADERS[0], encode_trace(event).encode("latin-1"))]
+    out = [(_OUR_HEADERS[0], encode_header(event).encode("latin-1"))]
     if event.served_by:
         out.append((_OUR_HEADERS[1], event.served_by.encode("latin-1", "replace")))
     return out

@@ -8,6 +8,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
+from operator import attrgetter
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -63,6 +64,12 @@ _FROM_HEADER = {v: k for k, v in _TO_HEADER.items()}
 _SAFE = "._-:/"
 
 
+_NAMES = tuple(name for name in _KINDS if name != "skill")
+_KEYS = tuple(_TO_HEADER.get(n, n) + "=" for n in _NAMES)
+_values = attrgetter(*_NAMES)  # one C call fetches every field
+_quoted: dict[str, str] = {}  # percent-encoded forms of the few strings that recur (modes, actions, names)
+
+
 def encode_header(event: TraceEvent) -> str:
     """The ``x-ace-trace-multi-lora`` value: ``mode=prod,action=...,adapter=...`` (``None`` fields omitted).
 
@@ -70,19 +77,21 @@ def encode_header(event: TraceEvent) -> str:
     'mode=shadow,action=would_load_lora,timestamp=1.5'
     """
     parts = []
-    for name in _KINDS:
-        if name == "skill":
-            continue
-        value = getattr(event, name)
+    for key, value in zip(_KEYS, _values(event), strict=True):
         if value is None:
             continue
-        if isinstance(value, bool):
-            text = "true" if value else "false"
+        if value is True or value is False:
+            parts.append(key + ("true" if value else "false"))
         elif isinstance(value, float):
-            text = repr(value)
+            parts.append(key + repr(value))
         else:
-            text = quote(str(value), safe=_SAFE)
-        parts.append(f"{_TO_HEADER.get(name, name)}={text}")
+            text = str(value)
+            q = _quoted.get(text)
+            if q is None:
+                if len(_quoted) > 4096:  # client-chosen strings must not grow it forever
+                    _quoted.clear()
+                q = _quoted[text] = quote(text, safe=_SAFE)
+            parts.append(key + q)
     return ",".join(parts)
 
 
