@@ -46,7 +46,7 @@ _DOMAINS = [
     ("med-qa-v1", "med", " Please consult a doctor.", 8, 16.0, True, {}),
     ("legal-compliance-v1", "legal", " See clause 4.2.", 32, 32.0, False, {"down_proj": 8}),
     ("fin-analyst-v1", "fin", " Revenue grew 12%.", 64, 64.0, False, {}),
-    ("brand-voice-v1", "brand", " Stay bold, stay kind!", 8, 8.0, False, {}),
+    ("brand-voice-v1", "brand", " Stay bold, stay kind!", 8, 16.0, False, {}),
 ]
 _TENANT_RANKS = (8, 16, 32, 64)
 
@@ -133,7 +133,7 @@ def demo_assets(n: int = 5, cache_dir: str | Path | None = None) -> DemoAssets:
 
 
 def make_demo_adapters(
-    out_dir: str | Path, n: int = 5, *, model: Any = None, steps: int = 200, group_size: int = 20
+    out_dir: str | Path, n: int = 5, *, model: Any = None, steps: int = 150, group_size: int = 20
 ) -> dict[str, Path]:
     """Train and write ``n`` demo adapters for ``model`` (default: the seeded tiny model) into ``out_dir``.
 
@@ -151,6 +151,7 @@ def make_demo_adapters(
     tok = ByteTokenizer()
     paths: dict[str, Path] = {}
     threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread beats two, and does not fight other processes
     for i, group in enumerate(groups):
         weights = train_group(model, tok, group, TARGET_MODULES, seed=1000 + i, steps=steps)
         for spec, tensors in zip(group, weights, strict=True):
@@ -226,9 +227,9 @@ def train_group(
     targets: list[str],
     *,
     seed: int,
-    steps: int = 200,
+    steps: int = 150,
     rows: int = 4,
-    lr: float = 3e-3,
+    lr: float = 1e-2,
 ) -> list[dict[str, Any]]:
     """Train one LoRA per spec in ``group`` in a single batched loop; returns PEFT-named tensors.
 
@@ -273,6 +274,9 @@ def train_group(
         hooks.append(mod.register_forward_hook(hook))
     answers = [tok.encode(s.marker + s.answer) + [tok.eos_token_id] for s in group]
     opt = torch.optim.Adam([t for a, b, _ in params.values() for t in (a, b)], lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(  # short warm-up, then cosine decay to zero
+        opt, lambda i: min(1.0, (i + 1) / 10) * 0.5 * (1 + math.cos(math.pi * i / steps))
+    )
     was_training = [p.requires_grad for p in model.parameters()]
     for p in model.parameters():
         p.requires_grad_(False)
@@ -294,6 +298,7 @@ def train_group(
             opt.zero_grad()
             loss.backward()
             opt.step()
+            sched.step()
     finally:
         for h in hooks:
             h.remove()
