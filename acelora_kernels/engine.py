@@ -301,7 +301,8 @@ class Engine:
         0
         """
         with self._cv:
-            running, waiting = list(self._running), list(self._waiting) + list(self._inbox)
+            running = [s for s in self._running if not s.done]
+            waiting = [s for s in self._waiting + self._inbox if not s.done]
         return {
             "num_running": len(running),
             "num_waiting": len(waiting),
