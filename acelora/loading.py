@@ -20,6 +20,7 @@ import httpx
 
 from acelora.fleet import ModelServer
 from acelora.skill import Decision, MultiLoRA
+from acelora.trace import PREFETCHED_APPLIED
 
 log = logging.getLogger("acelora.loading")
 
@@ -102,13 +103,15 @@ def _target(skill: MultiLoRA, decision: Decision, base_url: str | None) -> tuple
     return None
 
 
-def _finish(skill: MultiLoRA, decision: Decision, outcome: LoadOutcome, ms: float) -> Decision:
+def _finish(skill: MultiLoRA, decision: Decision, outcome: LoadOutcome, ms: float, observe: bool = True) -> Decision:
     if outcome.ok or outcome.already:
         decision.swap_ms = ms
+        if outcome.already and not outcome.ok:  # it was resident when the request arrived: nothing was loaded
+            decision.action = PREFETCHED_APPLIED
         decision.resident = True
         decision.needs_load = False
         (decision.server.resident if decision.server is not None else skill.resident).add(decision.adapter or "")
-        if outcome.ok and decision.spec is not None:
+        if outcome.ok and observe and decision.spec is not None:
             skill.observe_load(decision.spec.name, ms, decision.spec.size_bytes)
         return decision
     log.warning("loading %s failed: %s", decision.adapter, outcome.message)
@@ -137,8 +140,7 @@ async def ensure_adapter(skill: MultiLoRA, decision: Decision, client: httpx.Asy
     if flight is not None:  # someone is loading it right now: wait for that load, don't start another
         t0 = time.perf_counter()
         outcome, _ = await asyncio.shield(flight)
-        return _finish(skill, decision, LoadOutcome(outcome.ok or outcome.already, True, message=outcome.message),
-                       (time.perf_counter() - t0) * 1000)
+        return _finish(skill, decision, outcome, (time.perf_counter() - t0) * 1000, observe=False)
     fut: asyncio.Future[tuple[LoadOutcome, float]] = asyncio.get_running_loop().create_future()
     _async_flights[key] = fut
     t0 = time.perf_counter()
@@ -177,8 +179,9 @@ def ensure_adapter_sync(skill: MultiLoRA, decision: Decision, client: httpx.Clie
         lock = _sync_locks.setdefault((endpoint, decision.spec.name), threading.Lock())
     t0 = time.perf_counter()
     with lock:
-        if decision.server is not None and decision.spec.name in decision.server.resident:
-            return _finish(skill, decision, LoadOutcome(True, already=True), (time.perf_counter() - t0) * 1000)
+        if decision.spec.name in (decision.server.resident if decision.server is not None else skill.resident):
+            # another thread loaded it while this one waited for the lock
+            return _finish(skill, decision, LoadOutcome(True), (time.perf_counter() - t0) * 1000, observe=False)
         url, body = load_request(kind, endpoint, decision.spec.name, decision.spec.path)  # type: ignore[misc]
         headers = _headers(decision.server)
         try:

@@ -50,12 +50,12 @@ def skill_for(kind="vllm"):
     ("kind", "fx", "action", "reason"),
     [
         ("vllm", "vllm__load_ok", "adapter_cold_loaded_applied", None),
-        ("vllm", "vllm__load_duplicate", "adapter_cold_loaded_applied", None),
+        ("vllm", "vllm__load_duplicate", "adapter_prefetched_applied", None),
         ("vllm", "vllm__load_missing_path", "fallback_base_model", "load_failed"),
         ("vllm", "vllm__load_incompatible", "fallback_base_model", "load_failed"),
         ("vllm", "vllm__load_runtime_disabled", "fallback_base_model", "load_failed"),
         ("sglang", "sglang__load_ok", "adapter_cold_loaded_applied", None),
-        ("sglang", "sglang__load_duplicate", "adapter_cold_loaded_applied", None),
+        ("sglang", "sglang__load_duplicate", "adapter_prefetched_applied", None),
         ("sglang", "sglang__load_incompatible", "fallback_base_model", "load_failed"),
     ],
 )
@@ -72,7 +72,7 @@ def test_load_outcomes_in_each_dialect(kind, fx, action, reason):
     if reason is None:
         assert d.swap_ms is not None and d.swap_ms >= 0 and "code-python-v2" in server.resident
         event = skill.record(d)
-        assert event.swap_ms == round(d.swap_ms, 3) and event.is_prefetch_hit is False
+        assert event.swap_ms == round(d.swap_ms, 3) and event.is_prefetch_hit is (action == "adapter_prefetched_applied")
         assert skill.route(RouteRequest(model="code-python-v2")).action == "adapter_prefetched_applied"
     else:
         assert d.model == BASE and "code-python-v2" not in server.resident

@@ -20,9 +20,11 @@ def test_wrap_openai_example_applies_allowed_adapter_and_falls_back_for_others()
     out = run("wrap_openai_client.py")
     lines = out.splitlines()
     assert "'[code]" in lines[0] and "model='code-python-v2'" in lines[0]
-    assert "'[med]" in lines[2] and "action=adapter_cold_loaded_applied" in lines[3]  # public: any tenant
+    # served statically (vLLM --lora-modules style): resident on arrival, nothing loaded
+    assert "action=adapter_prefetched_applied" in lines[1]
+    assert "'[med]" in lines[2] and "action=adapter_prefetched_applied" in lines[3]  # public: any tenant
     assert "action=fallback_base_model" in lines[5] and "fallback_reason=unknown_adapter" in lines[5]
-    assert "actions: ['adapter_cold_loaded_applied', 'adapter_cold_loaded_applied', 'fallback_base_model']" in out
+    assert "actions: ['adapter_prefetched_applied', 'adapter_prefetched_applied', 'fallback_base_model']" in out
 
 
 def test_fastapi_middleware_example_shows_the_decision_downstream():
