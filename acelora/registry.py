@@ -304,6 +304,11 @@ class AdapterRegistry:
                     spec.tenants = frozenset((spec.tenants or frozenset()) | {tenant})
 
     # -- queries ------------------------------------------------------------------------------
+    @property
+    def specs(self) -> Mapping[str, AdapterSpec]:
+        """The live name -> spec mapping (read it, don't mutate it; use add/remove)."""
+        return self._specs
+
     def get(self, name: str) -> AdapterSpec | None:
         return self._specs.get(name)
 

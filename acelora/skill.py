@@ -219,7 +219,7 @@ class MultiLoRA:
         self.config: Any = None  # the validated AceloraConfig when built by from_config()
         self.resident: set[str] = set()  # adapters known loaded on the upstream when there is no fleet
         self._placement: dict[str, tuple[Any, ...]] = {}  # adapter -> (fleet version, spec, hint, servers, reason)
-        self._base_cands: dict[str | None, tuple[int, list[ModelServer]]] = {}
+        self._base_order: dict[tuple[str | None, str | None], tuple[int, list[ModelServer]]] = {}
         self._bases_cache: tuple[Any, frozenset[str]] = (None, frozenset())
         self._cold_ms: dict[str, float] = {}
         self._bytes_per_ms: float | None = None
@@ -238,38 +238,37 @@ class MultiLoRA:
         mode = self.mode if req.mode is None else _MODES.get(req.mode) or Mode.parse(req.mode)
         if mode is Mode.OFF:
             return Decision(mode, tenant=req.tenant, request_id=req.request_id, route_ns=_perf_ns() - t0)
-        registry = self.registry
+        specs = self.registry.specs  # registered names are valid: validate only what misses
         model = req.model
         name = req.lora_name
-        reason = None
         base_hint = None
         if name is not None:
-            if not is_valid_adapter_name(name):
-                reason = "invalid_name"
-        elif model is not None and model in registry:
-            name = model
+            spec = specs.get(name)
+        elif model is None:
+            return self._base_decision(mode, req, t0)
         else:
-            bases = self._bases()
-            if model is None or model in bases:
-                return self._base_decision(mode, req, t0)
-            head, colon, tail = model.partition(":")
-            if colon and (not bases or head in bases):
-                name, base_hint = tail, head
-            elif not bases:
-                return self._base_decision(mode, req, t0)
-            else:
+            spec = specs.get(model)
+            if spec is not None:
                 name = model
-            if not is_valid_adapter_name(name):
-                reason = "invalid_name"
-        spec = None
+            else:
+                bases = self._bases()
+                if model in bases:
+                    return self._base_decision(mode, req, t0)
+                head, colon, tail = model.partition(":")
+                if colon and (not bases or head in bases):
+                    name, base_hint = tail, head
+                    spec = specs.get(name)
+                elif not bases:
+                    return self._base_decision(mode, req, t0)
+                else:
+                    name = model
+        reason = None
         denied = False
-        if reason is None:
-            spec = registry.get(name)
-            if spec is None:
-                reason = "unknown_adapter"
-            elif not (spec.tenants is None or (req.tenant is not None and req.tenant in spec.tenants)):
-                spec, reason = None, "unknown_adapter"  # must look exactly like an unknown adapter
-                denied = True
+        if spec is None:
+            reason = "unknown_adapter" if is_valid_adapter_name(name) else "invalid_name"
+        elif not (spec.tenants is None or (req.tenant is not None and req.tenant in spec.tenants)):
+            spec, reason = None, "unknown_adapter"  # must look exactly like an unknown adapter
+            denied = True
         server = None
         if spec is not None:
             server, reason = self._pick_server(spec, base_hint)
@@ -342,21 +341,22 @@ class MultiLoRA:
         return sorted(cands, key=lambda s: _mix(key ^ s.name_hash), reverse=True), None
 
     def _base_server(self, model: str | None, tenant: str | None) -> ModelServer | None:
+        """A server of ``model`` (any server when None), the same one for a tenant while the fleet is unchanged
+        (tenant affinity keeps the upstream's prefix cache warm)."""
         fleet = self.fleet
-        cached = self._base_cands.get(model)
+        key = (model, tenant)
+        cached = self._base_order.get(key)
         if cached is None or cached[0] != fleet.version:
             cands = [s for s in fleet.servers if model is None or same_base(s.base_model, model)]
-            cached = self._base_cands[model] = (fleet.version, cands)
-            if len(self._base_cands) > 4096:  # arbitrary client-sent model names must not grow this forever
-                self._base_cands.clear()
-        cands = cached[1]
-        if len(cands) == 1 and cands[0].healthy:
-            return cands[0]
-        cands = [s for s in cands if s.healthy]
-        if len(cands) <= 1:
-            return cands[0] if cands else None
-        key = int(adapter_hash(tenant or ""), 16)  # tenant affinity keeps prefix caches warm
-        return max(cands, key=lambda s: _mix(key ^ s.name_hash))
+            h = int(adapter_hash(tenant or ""), 16)
+            cached = (fleet.version, sorted(cands, key=lambda s: _mix(h ^ s.name_hash), reverse=True))
+            if len(self._base_order) > 8192:  # client-chosen models/tenants must not grow it forever
+                self._base_order.clear()
+            self._base_order[key] = cached
+        for s in cached[1]:
+            if s.healthy:
+                return s
+        return None
 
     def _base_decision(self, mode: Mode, req: RouteRequest, t0: int) -> Decision:
         server = self._base_server(req.model, req.tenant)
@@ -375,7 +375,7 @@ class MultiLoRA:
             action = REJECTED
         else:
             action = FALLBACK
-        safe_name = name if name is not None and is_valid_adapter_name(name) else None
+        safe_name = None if reason == "invalid_name" else name
         return Decision(mode, action, safe_name, spec, server, base if mode is Mode.PROD else None, reason,
                         False if spec else None, False, action == REJECTED, req.tenant, req.request_id, False, None,
                         _perf_ns() - t0, base)
