@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "sequences": len(requests), "distinct_adapters": len(names), "max_tokens": max_tokens, "rounds": rounds,
         "generated_tokens": tokens, "identical_outputs": same, "outputs_with_own_marker": correct,
-        "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+        "engine_threads": engine.threads or torch.get_num_threads(), "python": platform.python_version(),
         "torch": torch.__version__, "cpus": os.cpu_count(), "loadavg_1m": os.getloadavg()[0],
     }  # fmt: skip
     for mode, walls in timings.items():
