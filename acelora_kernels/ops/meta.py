@@ -42,6 +42,7 @@ class LoraBatchMeta:
     seg_slot: torch.Tensor  # [S] int32
     max_seg_len: int
     groups: list[tuple[int, slice | torch.Tensor]]  # per slot: its tokens
+    max_group_tokens: int  # tokens of the largest group (sizes the torch path's threading)
     views: list[Views] | None = None
     buffer: torch.Tensor | None = None
     page_elems: int = 0
@@ -99,6 +100,7 @@ def build_meta(
         seg_slot=torch.tensor([k for _, _, k in segments], dtype=torch.int32, device=dev),
         max_seg_len=max((e - s for s, e, _ in segments), default=0),
         groups=groups,
+        max_group_tokens=max((sum(e - s for s, e, k in segments if k == g) for g, _ in groups), default=0),
     )
     if backend == "torch":
         meta.views = [adapter_views(pool, e) for e in entries]
