@@ -193,6 +193,8 @@ class Engine(EngineLoop):
             raise AdapterNotFound(f"adapter {adapter!r} is not registered")
         if not prompt_ids:
             raise ValueError("prompt is empty; pass at least one token")
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {params.max_tokens}")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "

@@ -92,12 +92,13 @@ class EngineLoop:
                     break
                 self._waiting.extend(self._inbox)
                 self._inbox.clear()
+            self._admitting: list[Seq] = []
             try:
                 self._step()
             except Exception as e:  # a failed forward fails the requests it touched, not the engine
-                for s in self._running + self._waiting:
+                for s in self._running + self._admitting:
                     self._fail(s, e)
-                self._running, self._waiting, self._batch = [], [], KVBatch()
+                self._running, self._batch = [], KVBatch()
         for s in self._running + self._waiting + self._inbox:
             self._fail(s, RuntimeError("engine closed"))
 
@@ -116,7 +117,7 @@ class EngineLoop:
         if len(keep) != len(self._running):
             self._running = [self._running[i] for i in keep]
             self._batch.select(keep)
-        admitted = self._schedule()
+        self._admitting = admitted = self._schedule()
         if admitted:
             self._prefill(admitted)
         elif self._running:

@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from acelora.errors import AdapterNotFound
 from acelora.names import is_valid_adapter_name
 from acelora_kernels import vllm_wire as wire
 from acelora_kernels.engine import Engine, SamplingParams
@@ -156,6 +157,10 @@ class EngineServer(RuntimeLoraRoutes):
             return None, self.name
         if is_valid_adapter_name(model) and self.engine.adapter_path(model) is not None:
             return model, model
+        return self.unknown_model(model)
+
+    def unknown_model(self, model: str) -> Response:
+        """vLLM's 404 for a name that is neither the base model nor a loaded adapter."""
         shown = model if len(model) <= 256 else model[:256] + "..."
         return wire.error(404, f"The model `{shown}` does not exist. Valid aliases: {self.name}.", "NotFoundError",
                           "model")  # fmt: skip
@@ -250,6 +255,8 @@ class EngineServer(RuntimeLoraRoutes):
         try:
             async with asyncio.timeout(self.timeout):
                 result = await self.engine.generate(ids, adapter, params)
+        except AdapterNotFound:  # unloaded while the request waited: the same 404 as an unknown name
+            return self.unknown_model(adapter or "")
         except TimeoutError:
             return wire.error(504, f"Generation timed out after {self.timeout:g}s.", "TimeoutError")
         finally:

@@ -171,3 +171,23 @@ def test_cancelled_stream_frees_its_row_and_adapter(engine: Engine) -> None:
     assert ev.finish_reason == "abort"
     assert engine.generate_sync(engine.encode_chat(CHAT), "med-qa-v1", GREEDY).text.startswith("[med]")
     assert engine.snapshot()["num_running"] == 0
+
+
+def test_a_request_queued_for_an_adapter_that_is_unregistered_fails_cleanly(demo) -> None:
+    eng = make_engine(demo, max_loras=1)
+    try:
+        ids = eng.encode_chat(CHAT)
+        started = threading.Event()
+        long_done: queue.Queue[StreamEvent] = queue.Queue()
+        eng.submit(ids, "med-qa-v1", SamplingParams(max_tokens=300, temperature=1.0, seed=1),
+                   lambda e: (started.set(), e.finished and long_done.put(e)))  # fmt: skip
+        assert started.wait(60)
+        waiting: queue.Queue[StreamEvent] = queue.Queue()
+        eng.submit(ids, "legal-compliance-v1", GREEDY, lambda e: e.finished and waiting.put(e))
+        eng.unregister("legal-compliance-v1")  # max_loras=1: it is still queued behind med-qa-v1
+        ev = waiting.get(timeout=120)
+        assert isinstance(ev.error, AdapterNotFound)
+        assert long_done.get(timeout=120).result.completion_tokens >= 1
+        assert eng.generate_sync(ids, "code-python-v2", GREEDY).text.startswith("[code]")
+    finally:
+        eng.close()
