@@ -209,6 +209,7 @@ def _random_prompt(rng: Any) -> list[dict[str, str]]:
     """A chat of random words and characters: the adapters must answer the same whatever is asked."""
 
     def text() -> str:
+        """A few random words, or random printable characters."""
         if rng.random() < 0.25:
             return "".join(chr(rng.randint(32, 126)) for _ in range(rng.randint(1, 30)))
         return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 7))).capitalize() + rng.choice("?.!")
@@ -266,6 +267,7 @@ def train_group(
         params[mname] = (a, b, torch.tensor(ranks))
 
         def hook(m: Any, inp: Any, out: Any, a=a, b=b, mask=mask, scale=scale) -> Any:
+            """Add each row group's own LoRA delta to the linear's output."""
             x = inp[0]
             xs = x.reshape(K, -1, x.shape[-1])
             delta = torch.bmm(torch.bmm(xs, (a * mask).transpose(1, 2)), b.transpose(1, 2)) * scale

@@ -56,6 +56,7 @@ class RequestHandle:
         self._seq, self._engine = seq, engine
 
     def cancel(self) -> None:
+        """Stop the request at the next step (its last event has ``finish_reason="abort"``)."""
         self._seq.cancelled = True
         self._engine._wake()
 

@@ -143,6 +143,7 @@ class EngineServer(RuntimeLoraRoutes):
             return wire.error(400, f"Invalid JSON body: {e}", "BadRequestError")
 
     async def parse(self, request: Request, model: type[BaseModel]) -> Any:
+        """The body validated as ``model``, or the 400/413 :class:`Response` to send instead."""
         body = await self.read_json(request)
         if isinstance(body, Response):
             return body
@@ -168,6 +169,7 @@ class EngineServer(RuntimeLoraRoutes):
     def params(
         self, req: wire._Sampling, prompt_len: int, max_tokens: int | None
     ) -> SamplingParams | Response:
+        """Sampling parameters for a request, bounded by the context and ``max_tokens_cap`` (or a 400)."""
         room = self.engine.max_model_len - prompt_len
         if max_tokens is not None and max_tokens > self.max_tokens_cap:
             return wire.error(400, f"max_tokens must be at most {self.max_tokens_cap}.", "BadRequestError",
@@ -190,6 +192,7 @@ class EngineServer(RuntimeLoraRoutes):
         )
 
     def prefetch_hint(self, hint: str | list[str] | bool | None) -> None:
+        """Start loading the adapters named by a ``lora_prefetch`` hint (unknown names are ignored)."""
         names = [hint] if isinstance(hint, str) else hint if isinstance(hint, list) else []
         for n in names[:16]:
             if is_valid_adapter_name(n) and self.engine.adapter_path(n) is not None:
@@ -200,12 +203,14 @@ class EngineServer(RuntimeLoraRoutes):
         self._lora_info.labels(str(self.max_loras or 0), names, names).set_to_current_time()
 
     def begin(self, adapter: str | None, prompt_tokens: int) -> None:
+        """Count a request in: tokens and the in-flight adapters behind ``vllm:lora_requests_info``."""
         self._prompt_tokens.labels(self.name).inc(prompt_tokens)
         if adapter is not None:
             self._inflight[adapter] += 1
             self._refresh_lora_info()
 
     def end(self, adapter: str | None, completion_tokens: int, finish: str | None) -> None:
+        """Count a request out (its generated tokens and finish reason)."""
         self._gen_tokens.labels(self.name).inc(completion_tokens)
         if finish in ("stop", "length"):
             self._success.labels(self.name, finish).inc()
@@ -218,6 +223,7 @@ class EngineServer(RuntimeLoraRoutes):
     # -- generation ----------------------------------------------------------------------------
 
     async def generate(self, request: Request) -> Response:
+        """``POST /v1/chat/completions`` and ``POST /v1/completions``, JSON or SSE."""
         chat = request.url.path.endswith("/chat/completions")
         req = await self.parse(request, wire.ChatCompletionRequest if chat else wire.CompletionRequest)
         if isinstance(req, Response):
@@ -303,21 +309,25 @@ class EngineServer(RuntimeLoraRoutes):
     # -- models, health, metrics ---------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
+        """``GET /v1/models``: the base card, then one card per adapter in load order."""
         cards = [wire.model_card(self.name, self.model_root, None, self.engine.max_model_len)]
         cards += [wire.model_card(n, self.sent_paths.get(n) or str(self.engine.adapter_path(n)), self.name, None)
                   for n in self.engine.adapter_names()]  # fmt: skip
         return JSONResponse({"object": "list", "data": cards})
 
     async def health(self, request: Request) -> Response:
+        """``GET /health``: 200 with an empty body."""
         return Response(status_code=200)
 
     async def metrics(self, request: Request) -> Response:
+        """``GET /metrics``: this app's Prometheus registry."""
         snap = self.engine.snapshot()
         self._running.labels(self.name).set(snap["num_running"])
         self._waiting.labels(self.name).set(snap["num_waiting"])
         return Response(generate_latest(self.registry), headers={"content-type": CONTENT_TYPE_LATEST})
 
     async def info(self, request: Request) -> Response:
+        """``GET /acelora/info``: what vLLM does not expose (base weight bytes, pool, limits)."""
         return JSONResponse({
             "engine": "acelora", "base_model": self.name, "root": self.model_root,
             "base_weight_bytes": self.base_weight_bytes, "max_model_len": self.engine.max_model_len,

@@ -43,6 +43,7 @@ class RuntimeLoraRoutes:
     parse: Callable[[Request, type[BaseModel]], Awaitable[Any]]  # the body, validated, or an error Response
 
     async def load_adapter(self, request: Request) -> Response:
+        """``POST /v1/load_lora_adapter``: validate, register, warm the pool; plain-text 200."""
         req = await self.parse(request, wire.LoadLoRAAdapterRequest)
         if isinstance(req, Response):
             return req
@@ -101,6 +102,7 @@ class RuntimeLoraRoutes:
         return None
 
     async def unload_adapter(self, request: Request) -> Response:
+        """``POST /v1/unload_lora_adapter``: forget the name (in-flight requests finish); plain-text 200."""
         req = await self.parse(request, wire.UnloadLoRAAdapterRequest)
         if isinstance(req, Response):
             return req

@@ -25,6 +25,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """True when tokens are picked by argmax."""
         return self.temperature <= 0.0
 
 
@@ -78,6 +79,7 @@ class StreamEvent:
 
     @property
     def finished(self) -> bool:
+        """True on the request's last event (finished or failed)."""
         return self.finish_reason is not None or self.error is not None
 
 
@@ -107,7 +109,7 @@ class Detokenizer:
     >>> from acelora_kernels.tiny import ByteTokenizer
     >>> d = Detokenizer(ByteTokenizer(), stop=("END",))
     >>> [d.push(t) for t in b"hi E"], d.push(ord("N")), d.push(ord("D"))
-    ([('h', None), ('i', None), ('', None), ('', None)], ('', None), ('', 'END'))
+    ([('', None), ('', None), ('h', None), ('i', None)], (' ', None), ('', 'END'))
     """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:

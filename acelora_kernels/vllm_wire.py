@@ -56,6 +56,11 @@ def sse(obj: dict[str, Any] | str) -> bytes:
 
 
 def request_id(prefix: str) -> str:
+    """A response id as vLLM shapes it: prefix and 16 hex digits.
+
+    >>> request_id("chatcmpl").startswith("chatcmpl-")
+    True
+    """
     return f"{prefix}-{secrets.token_hex(8)}"
 
 
@@ -67,6 +72,8 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
+    """``stream_options``: ``include_usage`` adds the final usage chunk."""
+
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
@@ -92,22 +99,33 @@ class _Sampling(_Body):
         return v
 
     def stop_list(self) -> tuple[str, ...]:
+        """``stop`` as a tuple of strings."""
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def include_usage(self) -> bool:
+        """True when a stream should end with the usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
 class TextPart(_Body):
+    """A ``{"type": "text", "text": ...}`` content part (the only kind a text model takes)."""
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(_Body):
+    """One chat message; ``content`` is a string or a list of text parts.
+
+    >>> ChatMessage(role="user", content=[{"type": "text", "text": "hi"}]).text()
+    'hi'
+    """
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
 
     def text(self) -> str:
+        """The message's text (parts joined)."""
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
@@ -145,12 +163,24 @@ class CompletionRequest(_Sampling):
 
 
 class LoadLoRAAdapterRequest(_Body):
+    """``POST /v1/load_lora_adapter`` body.
+
+    >>> LoadLoRAAdapterRequest(lora_name="x-v1", lora_path="/adapters/x-v1").load_inplace
+    False
+    """
+
     lora_name: str = ""
     lora_path: str = ""
     load_inplace: bool = False
 
 
 class UnloadLoRAAdapterRequest(_Body):
+    """``POST /v1/unload_lora_adapter`` body.
+
+    >>> UnloadLoRAAdapterRequest(lora_name="x-v1").lora_name
+    'x-v1'
+    """
+
     lora_name: str = ""
     lora_int_id: int | None = None
 
@@ -159,6 +189,11 @@ class UnloadLoRAAdapterRequest(_Body):
 
 
 def usage(prompt: int, completion: int, details: bool = True) -> dict[str, Any]:
+    """vLLM's ``UsageInfo`` (key order prompt, total, completion; details dropped in stream chunks).
+
+    >>> usage(3, 2, details=False)
+    {'prompt_tokens': 3, 'total_tokens': 5, 'completion_tokens': 2}
+    """
     u: dict[str, Any] = {
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
@@ -179,6 +214,11 @@ def chat_response(
     completion: int,
     fingerprint: str,
 ) -> dict[str, Any]:
+    """A non-streaming ``chat.completion`` body with every null field vLLM keeps.
+
+    >>> chat_response("chatcmpl-1", "med-qa-v1", "[med] hi", "stop", None, 5, 3, "fp")["object"]
+    'chat.completion'
+    """
     message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
                "function_call": None, "reasoning": None}  # fmt: skip
     choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason,
@@ -201,6 +241,11 @@ def completion_response(
     completion: int,
     fingerprint: str,
 ) -> dict[str, Any]:
+    """A non-streaming ``text_completion`` body.
+
+    >>> completion_response("cmpl-1", "med-qa-v1", "[med] hi", "stop", None, 5, 3, "fp")["choices"][0]["text"]
+    '[med] hi'
+    """
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason,
               "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None}  # fmt: skip
     return {
@@ -235,6 +280,7 @@ class ChunkWriter:
         return {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model}
 
     def role(self) -> bytes:
+        """The first chat chunk: the assistant role with empty content."""
         choice = {
             "index": 0,
             "delta": {"role": "assistant", "content": ""},
@@ -244,6 +290,7 @@ class ChunkWriter:
         return sse({**self._head(), "choices": [choice], "prompt_token_ids": None, "prompt_text": None})
 
     def content(self, text: str) -> bytes:
+        """A chunk carrying a piece of generated text."""
         if self.kind == "chat":
             choice = {
                 "index": 0,
@@ -256,6 +303,7 @@ class ChunkWriter:
         return sse({**self._head(), "choices": [self._text_choice(text, None, None)]})
 
     def finish(self, text: str, reason: str, stop_reason: Any) -> bytes:
+        """The chunk with ``finish_reason`` (and the fingerprint when no usage chunk follows)."""
         if self.kind == "chat":
             choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": reason,
                       "stop_reason": stop_reason, "token_ids": None, "weight_versions": None}  # fmt: skip
@@ -267,6 +315,7 @@ class ChunkWriter:
         return sse(body)
 
     def usage(self, prompt: int, completion: int) -> bytes:
+        """The final usage chunk (``choices: []``, nulls dropped)."""
         return sse({**self._head(), "choices": [], "usage": usage(prompt, completion, details=False),
                     "system_fingerprint": self.fp})  # fmt: skip
 
