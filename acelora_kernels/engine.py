@@ -85,6 +85,7 @@ class Engine(EngineLoop):
         threads: int | None = None,
     ) -> None:
         self.model = model.eval()
+        self.device = next(model.parameters()).device
         self.tokenizer = tokenizer
         self.pool = pool if pool is not None else AdapterPool.for_model(model, pool_bytes)
         attach(self.model, self.pool)

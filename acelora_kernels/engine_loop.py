@@ -59,6 +59,7 @@ class EngineLoop:
 
     # set by Engine.__init__
     model: Any
+    device: torch.device
     tokenizer: Any
     max_batch: int
     max_model_len: int
@@ -172,14 +173,15 @@ class EngineLoop:
                 logits_to_keep=1,
                 **{self._cache_kw: cache},
             )
-        return out.logits[:, -1].float(), cache_tensors(cache)
+        return out.logits[:, -1].float().cpu(), cache_tensors(cache)  # sampling runs on the CPU
 
     def _prefill(self, new: list[Seq]) -> None:
         t0 = time.perf_counter()
         width = max(len(s.prompt) for s in new)
         pad = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
-        ids = torch.tensor([[pad] * (width - len(s.prompt)) + s.prompt for s in new])
-        mask = torch.tensor([[0] * (width - len(s.prompt)) + [1] * len(s.prompt) for s in new])
+        dev = self.device
+        ids = torch.tensor([[pad] * (width - len(s.prompt)) + s.prompt for s in new], device=dev)
+        mask = torch.tensor([[0] * (width - len(s.prompt)) + [1] * len(s.prompt) for s in new], device=dev)
         pos = (mask.cumsum(1) - 1).clamp_(min=0)
         logits, kv = self._forward(ids, mask, pos, [s.adapter for s in new], [])
         ms = (time.perf_counter() - t0) * 1e3
@@ -196,8 +198,8 @@ class EngineLoop:
 
     def _decode(self) -> None:
         rows = self._running
-        ids = torch.tensor([[s.out[-1]] for s in rows])
-        pos = torch.tensor([[s.pos] for s in rows])
+        ids = torch.tensor([[s.out[-1]] for s in rows], device=self.device)
+        pos = torch.tensor([[s.pos] for s in rows], device=self.device)
         mask = self._batch.step_mask()
         logits, kv = self._forward(ids, mask, pos, [s.adapter for s in rows], self._batch.kv)
         self._batch.update(kv, mask)

@@ -45,7 +45,7 @@ class KVBatch:
         if not keep:
             self.kv, self.mask = [], torch.zeros(0, 0, dtype=torch.long)
             return
-        idx = torch.tensor(keep, dtype=torch.long)
+        idx = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
         mask = self.mask.index_select(0, idx)
         first = int(mask.any(0).long().argmax())
         self.mask = mask[:, first:]
@@ -55,7 +55,9 @@ class KVBatch:
 
     def step_mask(self) -> torch.Tensor:
         """The mask for one more token per row (what a decode step attends over)."""
-        return torch.cat([self.mask, torch.ones(len(self), 1, dtype=self.mask.dtype)], dim=1)
+        return torch.cat(
+            [self.mask, torch.ones(len(self), 1, dtype=self.mask.dtype, device=self.mask.device)], dim=1
+        )
 
     def update(self, kv: KV, mask: torch.Tensor) -> None:
         """Take the cache a decode step returned."""
@@ -64,7 +66,7 @@ class KVBatch:
 
 def select_rows(kv: KV, mask: torch.Tensor, keep: list[int]) -> tuple[KV, torch.Tensor]:
     """Rows ``keep`` of a prefill's cache (drops sequences that finished in their prefill)."""
-    idx = torch.tensor(keep, dtype=torch.long)
+    idx = torch.tensor(keep, dtype=torch.long, device=mask.device)
     return [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv], mask.index_select(0, idx)
 
 
