@@ -64,7 +64,10 @@ class RequestHandle:
 class Engine(EngineLoop):
     """Batched multi-adapter generation over an HF causal LM, a tokenizer and an :class:`AdapterPool`.
 
-    ``adapters`` maps names to PEFT directories, or is a resolver ``name -> path | None``.
+    ``adapters`` maps names to PEFT directories, or is a resolver ``name -> path | None``. Without a
+    ``pool`` one of ``pool_bytes`` is made. ``max_batch`` bounds the running sequences, ``max_loras``
+    the distinct adapters among them (vLLM's ``--max-loras``; extra requests wait). ``threads`` is the
+    engine thread's torch thread count (default: 1 below 50 M parameters, else torch's setting).
 
     >>> engine = Engine(model, tok, adapters={"med-qa-v1": "/adapters/med-qa-v1"})  # doctest: +SKIP
     >>> engine.generate_sync(engine.encode_chat([{"role": "user", "content": "hi"}]), "med-qa-v1").text  # doctest: +SKIP
