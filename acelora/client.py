@@ -7,7 +7,6 @@ and every endpoint keep working; it only sees one request and returns one respon
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from acelora import jsonbody
 from acelora.errors import InvalidRequest
 from acelora.middleware import not_found_body, openai_error, requested_name
 from acelora.skill import OVERRIDE_HEADER, Decision, MultiLoRA, RouteRequest
@@ -60,7 +60,7 @@ class _Router:
         if not path.startswith(self.base_path) or path[len(self.base_path):] not in self.paths:
             return None
         try:
-            payload = json.loads(request.content)
+            payload = jsonbody.loads(request.content)
         except Exception:  # a streamed or non-JSON body is not ours to route
             return None
         if not isinstance(payload, dict):
@@ -98,7 +98,7 @@ class _Router:
                     headers["authorization"] = f"Bearer {key}"
                 elif url.host != request.url.host:
                     headers.pop("authorization", None)  # the client's key was meant for its own base_url
-            content = request.content if out is payload else json.dumps(out, separators=(",", ":")).encode()
+            content = request.content if out is payload else jsonbody.dumps(out)
             plan.request = lib.Request(request.method, url, headers=headers, content=content,
                                        extensions=request.extensions)
         plan.overhead_ms = (_perf_ns() - t0 - swap_ns) / 1e6

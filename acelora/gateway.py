@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import re
@@ -27,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from acelora import jsonbody
 from acelora.errors import AceloraError, InvalidRequest
 from acelora.fleet import ModelServer
 from acelora.gateway_auth import ADMIN_KEY, GatewayAuth
@@ -134,7 +134,7 @@ async def _json_body(request: Request, limit: int) -> Any:
             raise BodyTooLarge(f"Request body is larger than {limit} bytes.")
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
+        return jsonbody.loads(b"".join(chunks))
     except ValueError:
         raise InvalidRequest("Request body is not valid JSON.") from None
 

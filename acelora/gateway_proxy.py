@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 from starlette.responses import Response, StreamingResponse
 
+from acelora import jsonbody
 from acelora.fleet import ModelServer, same_base
 from acelora.middleware import openai_error
 from acelora.skill import Decision, MultiLoRA
@@ -75,7 +76,7 @@ class Proxy:
         key = server.api_key
         if key:
             headers["authorization"] = f"Bearer {key}"
-        data = json.dumps(body, separators=(",", ":")).encode()
+        data = jsonbody.dumps(body)
         return self.client.build_request("POST", f"{server.openai_base_url}/{suffix}", content=data,
                                          headers=headers, timeout=self.timeout)
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from acelora import jsonbody
 from acelora.errors import InvalidRequest
 from acelora.fleet import ModelServer
 from acelora.skill import OVERRIDE_HEADER, TENANT_HEADER, Decision, Mode, MultiLoRA, RouteRequest
@@ -38,7 +39,6 @@ _OVERRIDE = OVERRIDE_HEADER.encode()
 _TENANT = TENANT_HEADER.encode()
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _perf_ns = time.perf_counter_ns
-_dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def openai_error(status: int, message: str, type_: str, param: str | None = None,
@@ -202,7 +202,7 @@ class MultiLoRAResponder:
                 413, f"Request body is larger than {mw.max_body_bytes} bytes.", "BadRequestError"))
             return
         try:
-            payload = json.loads(body)
+            payload = jsonbody.loads(body)
         except ValueError:  # not JSON whatever the content-type says: the app answers it
             payload = None
         if not isinstance(payload, dict):
@@ -236,7 +236,7 @@ class MultiLoRAResponder:
         out = decision.apply(payload)
         scope = self.scope
         if out is not payload:
-            body = _dumps(out).encode()
+            body = jsonbody.dumps(out)
             scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k != b"content-length"]
                          + [(b"content-length", str(len(body)).encode())])
         else:
