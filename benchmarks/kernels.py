@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from acelora_kernels.layers import attach, lora_batch
+from acelora_kernels.loader import ModuleSpec
 from acelora_kernels.pool import AdapterPool
 
 HIDDEN, INTER, KV = 4096, 11008, 1024
@@ -64,12 +65,18 @@ class Layer(nn.Module):
         return self.layers[0](h, inter)
 
 
-def write_adapter(out: Path, rank: int, seed: int) -> Path:
-    """A PEFT-format LoRA directory (config + safetensors) targeting all seven linears."""
+def module_names(layers: int = 1) -> dict[str, tuple[int, int]]:
+    """``layers.{i}.self_attn.q_proj`` ... -> (d_in, d_out), as named in a Llama decoder stack."""
+    return {f"layers.{i}.{'self_attn' if n in ATTN else 'mlp'}.{n}": shape
+            for i in range(layers) for n, shape in SHAPES.items()}  # fmt: skip
+
+
+def write_adapter(out: Path, rank: int, seed: int, layers: int = 1) -> Path:
+    """A PEFT-format LoRA directory (config + safetensors) targeting all seven linears per layer."""
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, (d_in, d_out) in SHAPES.items():
-        key = f"base_model.model.layers.0.{'self_attn' if name in ATTN else 'mlp'}.{name}"
+    for module, (d_in, d_out) in module_names(layers).items():
+        key = f"base_model.model.{module}"
         tensors[f"{key}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) * 0.01
         tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=gen) * 0.01
     out.mkdir(parents=True, exist_ok=True)
@@ -169,6 +176,23 @@ def bench_forward(root: Path, counts: list[int], batch: int, reps: int, prefill:
     return rows
 
 
+def cold_vs_memcpy(pool: AdapterPool, d: Path, nbytes: int, reps: int) -> dict[str, float]:
+    """Cold ``pool.load`` (then evict) vs libc memcpy of the same number of bytes, interleaved."""
+    src, dst = torch.empty(nbytes // 4).normal_(), torch.zeros(nbytes // 4)
+
+    def cold_load() -> None:
+        pool.load("cold", d)
+        pool.evict("cold")
+
+    def memcpy() -> None:
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)  # one thread, like the load
+
+    ms, _ = side_by_side({"load": cold_load, "memcpy": memcpy}, reps)
+    gbps = {k: nbytes / (v / 1e3) / 1e9 for k, v in ms.items()}
+    return {"bytes": nbytes, "load_ms": ms["load"], "memcpy_ms": ms["memcpy"], "load_GBps": gbps["load"],
+            "memcpy_GBps": gbps["memcpy"], "ratio": gbps["load"] / gbps["memcpy"]}  # fmt: skip
+
+
 def bench_pool(root: Path, per_rank: int, reps: int) -> dict:
     model = Layer().eval()
     ranks = [8, 16, 32, 64] * per_rank
@@ -184,29 +208,21 @@ def bench_pool(root: Path, per_rank: int, reps: int) -> dict:
            "utilization": st["utilization"], "slot_padding_utilization": slot_util}  # fmt: skip
     print(f"  utilization {st['utilization']:.4%} vs slot padding to rank {max(ranks)}: {slot_util:.2%}")
 
-    # cold loads: page cache -> pool pages, vs memcpy of the same bytes
+    # cold loads: page cache -> pool pages, vs memcpy of the same bytes. One layer's adapters
+    # show the fixed per-load cost; a whole 32-layer 7B adapter (rank 16) shows the bandwidth.
     for name in pool.resident():
         pool.evict(name)
+    full = write_adapter(root / "full-7b-r16", 16, seed=7, layers=32)
+    specs = {n: ModuleSpec(i, *shape) for i, (n, shape) in enumerate(module_names(32).items())}
+    full_pool = AdapterPool(specs, budget_bytes=16 * 32 * per_rank_bytes + (1 << 20))
+    cases = [(f"1-layer r{r}", pool, next(d for d, k in zip(dirs, ranks, strict=True) if k == r), r * per_rank_bytes)
+             for r in (16, 64)] + [("32-layer r16", full_pool, full, 32 * 16 * per_rank_bytes)]  # fmt: skip
     cold = {}
-    for rank in (16, 64):
-        d = next(d for d, r in zip(dirs, ranks, strict=True) if r == rank)
-        nbytes = rank * per_rank_bytes
-        src, dst = torch.empty(nbytes // 4).normal_(), torch.zeros(nbytes // 4)
-
-        def cold_load(d: Path = d) -> None:
-            pool.load("cold", d)
-            pool.evict("cold")
-
-        def memcpy(src: torch.Tensor = src, dst: torch.Tensor = dst, nbytes: int = nbytes) -> None:
-            ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)  # libc memcpy, one thread
-
-        ms, _ = side_by_side({"load": cold_load, "memcpy": memcpy}, reps)
-        gbps = {k: nbytes / (v / 1e3) / 1e9 for k, v in ms.items()}
-        cold[f"r{rank}"] = {"bytes": nbytes, "load_ms": ms["load"], "memcpy_ms": ms["memcpy"],
-                            "load_GBps": gbps["load"], "memcpy_GBps": gbps["memcpy"],
-                            "ratio": gbps["load"] / gbps["memcpy"]}  # fmt: skip
-        print(f"  cold load r{rank} ({nbytes / 2**20:.1f} MiB): {gbps['load']:.2f} GB/s vs memcpy "
-              f"{gbps['memcpy']:.2f} GB/s = {gbps['load'] / gbps['memcpy']:.0%}")  # fmt: skip
+    for label, target, d, nbytes in cases:
+        cold[label] = cold_vs_memcpy(target, d, nbytes, reps)
+        c = cold[label]
+        print(f"  cold load {label} ({nbytes / 2**20:.1f} MiB): {c['load_GBps']:.2f} GB/s vs memcpy "
+              f"{c['memcpy_GBps']:.2f} GB/s = {c['ratio']:.0%}")  # fmt: skip
     out["cold_load"] = cold
 
     # warm re-activation: load() of a resident adapter

@@ -14,16 +14,11 @@ from types import ModuleType
 
 import torch
 
-from acelora_kernels.ops import torch_ref
+from acelora_kernels.ops import cpu, torch_ref
 from acelora_kernels.ops.meta import LoraBatchMeta, build_meta
 
 BACKEND_ENV = "ACELORA_KERNELS_BACKEND"
 BACKENDS = ("torch", "triton")
-# On CPU, LoRA GEMMs up to this size (per adapter group) run on one thread: split over OpenMP
-# threads they save at most ~0.4 ms, but each parallel region waits for every thread, and on a
-# busy machine a descheduled thread costs a whole scheduler tick (4 ms) per region; measured in
-# benchmarks/kernels.py and docs/benchmarks.md ("Kernels").
-SINGLE_THREAD_MACS = 1 << 25
 
 __all__ = ["BACKEND_ENV", "LoraBatchMeta", "add_lora", "backend_module", "build_meta", "pick_backend"]
 
@@ -72,13 +67,6 @@ def add_lora(x: torch.Tensor, out: torch.Tensor, meta: LoraBatchMeta, module: in
     if meta.empty or not meta.max_rank[module]:
         return
     if meta.backend == "torch" and x.device.type == "cpu":
-        macs = meta.max_group_tokens * meta.max_rank[module] * (x.shape[-1] + out.shape[-1])
-        threads = torch.get_num_threads()
-        if macs <= SINGLE_THREAD_MACS and threads > 1:
-            torch.set_num_threads(1)
-            try:
-                torch_ref.add_lora(x, out, meta, module)
-            finally:
-                torch.set_num_threads(threads)
-            return
-    backend_module(meta.backend).add_lora(x, out, meta, module)
+        cpu.add_lora(x, out, meta, module)
+    else:
+        backend_module(meta.backend).add_lora(x, out, meta, module)

@@ -66,3 +66,17 @@ def test_backend_can_be_forced_by_environment(monkeypatch):
         ops.pick_backend("cpu")
     monkeypatch.delenv(ops.BACKEND_ENV)
     assert ops.pick_backend("cpu") == "torch"
+
+
+def test_cpu_scheduling_matches_the_reference_and_restores_torch_threads(base_model, adapter_dirs):
+    pool = loaded_pool(base_model, adapter_dirs)
+    meta = meta_for(pool, ROWS, 2, "torch")
+    spec = pool.modules["model.layers.1.mlp.up_proj"]
+    x = torch.randn(len(ROWS) * 2, spec.in_features, generator=torch.Generator().manual_seed(4))
+    want, got = torch.zeros(x.shape[0], spec.out_features), torch.zeros(x.shape[0], spec.out_features)
+    torch_ref.add_lora(x, want, meta, spec.index)
+    threads = torch.get_num_threads()
+    ops.add_lora(x, got, meta, spec.index)
+    assert torch.get_num_threads() == threads
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert got.abs().sum() > 0
