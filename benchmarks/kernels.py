@@ -1,8 +1,9 @@
 """Benchmarks of acelora_kernels on this machine, each a ratio measured side by side in one process.
 
-- decode step (batch 32, one token per row) and prefill (8 x 128 tokens) through the seven linears
-  of one Llama-7B-dims decoder layer with 1/8/32 distinct rank-16 all-linear adapters: ours vs the
-  base linears alone vs PEFT's mixed-batch path (``model(x, adapter_names=[...])``);
+- decode step (batch 32, one token per row) with 1/8/32 distinct rank-16 all-linear adapters, and
+  prefill (8 x 128 tokens, a different adapter per row), through the seven linears of one
+  Llama-7B-dims decoder layer: ours vs the base linears alone vs PEFT's mixed-batch path
+  (``model(x, adapter_names=[...])``); overheads are medians of per-rep paired ratios;
 - pool utilization for a mix of ranks {8, 16, 32, 64} vs padding every slot to the max rank;
 - cold load (safetensors -> pool pages) bandwidth vs a plain memcpy of the same bytes;
 - warm re-activation (``pool.load`` of a resident adapter).
@@ -163,7 +164,10 @@ def bench_forward(root: Path, counts: list[int], batch: int, reps: int, prefill:
         peft.load_adapter(str(d), adapter_name=f"a{i}")
     peft.eval()
     rows = []
-    shapes = [("decode", batch, 1, reps, counts), ("prefill", *prefill, prefill_reps, [n_max])]
+    shapes = [
+        ("decode", batch, 1, reps, counts),
+        ("prefill", *prefill, prefill_reps, [min(n_max, prefill[0])]),
+    ]
     for kind, b, t, r, ns in shapes:
         gen = torch.Generator().manual_seed(0)
         h, inter = torch.randn(b, t, HIDDEN, generator=gen), torch.randn(b, t, INTER, generator=gen)
@@ -254,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             fwd = bench_forward(root, [1, 32], batch=32, reps=3, prefill=(2, 128), prefill_reps=1)
             pool = bench_pool(root, per_rank=1, reps=10)
         else:
-            fwd = bench_forward(root, [1, 8, 32], batch=32, reps=15, prefill=(8, 128), prefill_reps=3)
+            fwd = bench_forward(root, [1, 8, 32], batch=32, reps=15, prefill=(8, 128), prefill_reps=5)
             pool = bench_pool(root, per_rank=2, reps=30)
     result = {"quick": args.quick, "threads": torch.get_num_threads(), "forward": fwd, "pool": pool}
     if args.json:
