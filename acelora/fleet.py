@@ -41,7 +41,7 @@ class ModelServer:
             raise ConfigError(f"server {self.name}: kind {self.kind!r} is not one of {', '.join(ENGINE_KINDS)}")
         if not self.endpoint.startswith(("http://", "https://")):
             raise ConfigError(f"server {self.name}: endpoint {self.endpoint!r} must start with http:// or https://")
-        self.endpoint = self.endpoint.rstrip("/")
+        self.endpoint = self.endpoint.rstrip("/").removesuffix("/v1")  # load/probe routes live at the root
         self.name_hash = xxhash.xxh3_64_intdigest(self.name.encode())
 
     @property
@@ -52,7 +52,7 @@ class ModelServer:
     @property
     def openai_base_url(self) -> str:
         """Where OpenAI routes live: ``<endpoint>/v1``."""
-        return self.endpoint if self.endpoint.endswith("/v1") else self.endpoint + "/v1"
+        return self.endpoint + "/v1"
 
     def public_dict(self) -> dict[str, object]:
         """What the fleet admin API shows (no key, only whether one is configured)."""

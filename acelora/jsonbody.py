@@ -9,8 +9,20 @@ from typing import Any
 import orjson
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text[:20]} is out of range")
+    return value
+
+
 def loads(data: bytes | str) -> Any:
-    """Parse a body; raises ``ValueError`` when it is not JSON.
+    """Parse a body; raises ``ValueError`` when it is not JSON, is nested too deeply, or holds
+    NaN/Infinity or an out-of-range float (forwarding those would silently change them).
 
     >>> loads(b'{"model": "m"}')
     {'model': 'm'}
@@ -18,7 +30,11 @@ def loads(data: bytes | str) -> Any:
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
-        return json.loads(data)  # raises ValueError (JSONDecodeError) when it really is not JSON
+        pass
+    try:  # what orjson refuses but JSON allows: integers beyond 64 bits
+        return json.loads(data, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def dumps(obj: Any) -> bytes:

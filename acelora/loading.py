@@ -13,6 +13,7 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,14 +119,37 @@ def _finish(skill: MultiLoRA, decision: Decision, outcome: LoadOutcome, ms: floa
     return decision.fall_back("load_failed")
 
 
-_async_flights: dict[tuple[str, str], asyncio.Future[tuple[LoadOutcome, float]]] = {}
+# per event loop: (endpoint, adapter) -> the task loading it
+_async_flights: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], asyncio.Task[Any]]] = (
+    weakref.WeakKeyDictionary())
 _sync_locks: dict[tuple[str, str], threading.Lock] = {}
 _sync_guard = threading.Lock()
+
+
+async def _load(kind: str, endpoint: str, decision: Decision, client: httpx.AsyncClient,
+                timeout_s: float) -> tuple[LoadOutcome, float]:
+    assert decision.spec is not None
+    t0 = time.perf_counter()
+    url, body = load_request(kind, endpoint, decision.spec.name, decision.spec.path)  # type: ignore[misc]
+    headers = _headers(decision.server)
+    try:
+        r = await client.post(url, json=body, headers=headers, timeout=timeout_s)
+        outcome = parse_load_response(kind, r.status_code, r.content)
+        if outcome.runtime_disabled:
+            m = await client.get(f"{endpoint}/v1/models", headers=headers, timeout=timeout_s)
+            outcome = _listed(outcome, m, decision.spec.name)
+    except httpx.HTTPError as e:
+        outcome = LoadOutcome(False, message=f"{type(e).__name__}: {e}")
+    return outcome, (time.perf_counter() - t0) * 1000
 
 
 async def ensure_adapter(skill: MultiLoRA, decision: Decision, client: httpx.AsyncClient,
                          base_url: str | None = None) -> Decision:
     """Make the decision's adapter resident on its server (measured into ``swap_ms``), or fall back.
+
+    Loads of one adapter on one endpoint are single-flight: the load runs in its own task, and every
+    caller waits on it through ``asyncio.shield``, so a caller that gives up (timeout, disconnect)
+    cancels only its own wait, never the load the others are waiting for.
 
     >>> decision = await ensure_adapter(skill, skill.route(req), client)  # doctest: +SKIP
     """
@@ -135,34 +159,19 @@ async def ensure_adapter(skill: MultiLoRA, decision: Decision, client: httpx.Asy
     if target is None or target[0] == "openai":
         return decision
     kind, endpoint = target
+    loop = asyncio.get_running_loop()
+    flights = _async_flights.setdefault(loop, {})
     key = (endpoint, decision.spec.name)
-    flight = _async_flights.get(key)
-    if flight is not None:  # someone is loading it right now: wait for that load, don't start another
-        t0 = time.perf_counter()
-        outcome, _ = await asyncio.shield(flight)
-        return _finish(skill, decision, outcome, (time.perf_counter() - t0) * 1000, observe=False)
-    fut: asyncio.Future[tuple[LoadOutcome, float]] = asyncio.get_running_loop().create_future()
-    _async_flights[key] = fut
+    task = flights.get(key)
+    leader = task is None
+    if leader:
+        task = loop.create_task(_load(kind, endpoint, decision, client, skill.load_timeout_s))
+        flights[key] = task
+        task.add_done_callback(lambda _t: flights.pop(key, None))
     t0 = time.perf_counter()
-    try:
-        url, body = load_request(kind, endpoint, decision.spec.name, decision.spec.path)  # type: ignore[misc]
-        headers = _headers(decision.server)
-        try:
-            r = await client.post(url, json=body, headers=headers, timeout=skill.load_timeout_s)
-            outcome = parse_load_response(kind, r.status_code, r.content)
-            if outcome.runtime_disabled:
-                m = await client.get(f"{endpoint}/v1/models", headers=headers, timeout=skill.load_timeout_s)
-                outcome = _listed(outcome, m, decision.spec.name)
-        except httpx.HTTPError as e:
-            outcome = LoadOutcome(False, message=f"{type(e).__name__}: {e}")
-        ms = (time.perf_counter() - t0) * 1000
-        fut.set_result((outcome, ms))
-    except BaseException as e:
-        fut.set_exception(e)
-        fut.exception()  # mark retrieved
-        raise
-    finally:
-        _async_flights.pop(key, None)
+    outcome, ms = await asyncio.shield(task)
+    if not leader:  # this caller waited for someone else's load
+        return _finish(skill, decision, outcome, (time.perf_counter() - t0) * 1000, observe=False)
     return _finish(skill, decision, outcome, ms)
 
 

@@ -23,6 +23,8 @@ CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
 PICKLE_NAME = "adapter_model.bin"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
+MAX_CONFIG_BYTES = 1024 * 1024
+MAX_ALPHA = 1e6  # alpha/r must stay finite in fp16/bf16/fp32 pools; real adapters use 1..1024
 
 DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -45,7 +47,7 @@ class PeftLoraConfig(BaseModel):
     peft_type: str = "LORA"
     base_model_name_or_path: str | None = None
     r: int = Field(8, ge=1, le=4096)
-    lora_alpha: float = Field(8, gt=0)
+    lora_alpha: float = Field(8, gt=0, le=MAX_ALPHA, allow_inf_nan=False)
     target_modules: list[str] | str | None = None
     use_rslora: bool = False
     rank_pattern: dict[str, int] = Field(default_factory=dict)
@@ -67,6 +69,22 @@ class PeftLoraConfig(BaseModel):
     @classmethod
     def _none_is_empty(cls, v: Any) -> Any:
         return {} if v is None else v
+
+    @field_validator("rank_pattern")
+    @classmethod
+    def _ranks_in_range(cls, v: dict[str, int]) -> dict[str, int]:
+        for key, r in v.items():
+            if not 1 <= r <= 4096:
+                raise ValueError(f"rank {r} for {key!r} is outside 1..4096")
+        return v
+
+    @field_validator("alpha_pattern")
+    @classmethod
+    def _alphas_in_range(cls, v: dict[str, float]) -> dict[str, float]:
+        for key, a in v.items():
+            if not 0 < a <= MAX_ALPHA:  # NaN fails this too
+                raise ValueError(f"lora_alpha {a} for {key!r} is outside (0, {MAX_ALPHA:g}]")
+        return v
 
     def rank_for(self, module: str) -> int:
         """Rank of ``module`` (a dotted module path) after ``rank_pattern``."""
@@ -124,6 +142,11 @@ def read_config(adapter_dir: str | Path) -> PeftLoraConfig:
     """Parse and validate ``adapter_config.json``; :class:`InvalidAdapter` says what is wrong."""
     path = Path(adapter_dir) / CONFIG_NAME
     try:
+        if not path.is_file():  # a FIFO or device would hang or exhaust memory
+            raise FileNotFoundError(path) if not path.exists() else InvalidAdapter(
+                f"{adapter_dir}: {CONFIG_NAME} is not a regular file")
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise InvalidAdapter(f"{adapter_dir}: {CONFIG_NAME} is larger than {MAX_CONFIG_BYTES} bytes")
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise InvalidAdapter(f"{adapter_dir}: {CONFIG_NAME} is missing; save the adapter with PEFT") from None
@@ -145,6 +168,8 @@ def read_safetensors_header(path: str | Path) -> tuple[dict[str, TensorInfo], di
     Rejects a corrupt header, offsets outside the file and truncated files.
     """
     path = Path(path)
+    if not path.is_file():
+        raise InvalidAdapter(f"{path}: not a regular file")
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -166,6 +191,8 @@ def read_safetensors_header(path: str | Path) -> tuple[dict[str, TensorInfo], di
     try:
         for name, info in header.items():
             dtype, shape, (start, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+            if any(d < 0 for d in shape):
+                raise InvalidAdapter(f"{path}: tensor {name!r} has a negative dimension {list(shape)}")
             count = 1
             for d in shape:
                 count *= d
@@ -199,6 +226,8 @@ def lora_modules(
         if set(ab) != {"A", "B"}:
             raise InvalidAdapter(f"{where}: {module} has lora_{''.join(ab)} but not both lora_A and lora_B")
         (ra, d_in), (d_out, rb) = ab["A"], ab["B"]
+        if min(ra, d_in, d_out, rb) < 1:
+            raise InvalidAdapter(f"{where}: {module} has an empty lora_A/lora_B ({list(ab['A'])}, {list(ab['B'])})")
         want = config.rank_for(module)
         if not ra == rb == want:
             raise InvalidAdapter(

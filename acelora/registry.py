@@ -125,12 +125,13 @@ def load_spec(adapter_dir: str | Path, name: str, *, root: str | Path | None = N
             raise UnsafeAdapterPath(f"{adapter_dir} resolves outside the registry root {root}")
     if not real.is_dir():
         raise InvalidAdapter(f"{adapter_dir} is not a directory")
-    config = read_config(real)
     st = real / SAFETENSORS_NAME
     files = [real / CONFIG_NAME]
-    for f in files + [st, real / PICKLE_NAME]:
+    for f in (real / CONFIG_NAME, st, real / PICKLE_NAME):
+        # checked before anything is read: a config symlinked to /dev/zero must not be opened
         if f.is_symlink() and root is not None and not _inside(f.resolve(), Path(root).resolve()):
             raise UnsafeAdapterPath(f"{f} is a symlink out of the registry root {root}")
+    config = read_config(real)
     if st.exists():
         tensors, _ = read_safetensors_header(st)
         modules = lora_modules(tensors, config, where=str(adapter_dir))
@@ -235,10 +236,18 @@ class AdapterRegistry:
             try:
                 if not is_valid_adapter_name(name):
                     raise UnsafeAdapterName(f"directory name {name!r} is not a valid adapter name")
-                if hit is not None and hit["fingerprint"] == fp and hit["dir"] == str(d):
-                    spec = AdapterSpec.from_json(hit["spec"])
+                spec = None
+                if hit is not None and hit.get("fingerprint") == fp and hit.get("dir") == str(d):
+                    try:
+                        spec = AdapterSpec.from_json(hit["spec"])
+                    except (TypeError, KeyError, ValueError):
+                        spec = None  # a damaged entry is just stale
+                    # the index is a cache, not an authority: it may only describe this very directory
+                    if spec is not None and (spec.name != name or spec.path != str(d.resolve())):
+                        spec = None
+                if spec is not None:
                     spec.tenants = None  # grants come from this registry, not from the index
-                    if not _inside(Path(spec.path), root_real):
+                    if not _inside(Path(spec.path).resolve(), root_real):
                         raise UnsafeAdapterPath(f"{d} resolves outside the registry root {root}")
                 else:
                     spec = load_spec(d, name, root=root_real, allow_pickle=allow_pickle, digest=digest)

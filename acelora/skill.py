@@ -106,8 +106,12 @@ class RouteRequest:
         """
         extra = body.get("extra_body")
         extra = extra if isinstance(extra, dict) else {}
-        lora = body.get("lora_name", extra.get("lora_name"))
-        rank = body.get("adapter_rank", extra.get("adapter_rank"))
+        lora = body.get("lora_name")
+        if lora is None:
+            lora = extra.get("lora_name")
+        rank = body.get("adapter_rank")
+        if rank is None:
+            rank = extra.get("adapter_rank")
         model = body.get("model")
         override = headers.get(OVERRIDE_HEADER) if headers is not None else None
         if tenant is None and headers is not None:
@@ -158,6 +162,8 @@ class Decision:
         """The body to send upstream. Off/shadow: ``body`` itself. Prod: a copy with ``model`` rewritten and
         acelora-only fields removed (other ``extra_body`` keys are merged as the OpenAI SDK would)."""
         if self.mode is not Mode.PROD:
+            if self.denied and self.model is not None:  # another tenant's adapter never runs, even in shadow
+                return {**body, "model": self.model}
             return body
         out = {k: v for k, v in body.items() if k not in ACELORA_FIELDS}
         extra = body.get("extra_body")
@@ -171,11 +177,13 @@ class Decision:
 
     def fall_back(self, reason: str) -> Decision:
         """This decision turned into a base-model fallback (e.g. ``load_failed`` after a failed load)."""
+        prod = self.mode is Mode.PROD
+        reject = prod and self.base is None  # no known base to send it to: refuse rather than guess
         return Decision(
-            mode=self.mode, action=FALLBACK if self.mode is Mode.PROD else WOULD_LOAD, adapter=self.adapter,
-            spec=self.spec, server=self.server, model=self.base if self.mode is Mode.PROD else None,
-            fallback_reason=reason, resident=False, tenant=self.tenant, request_id=self.request_id,
-            route_ns=self.route_ns, base=self.base,
+            mode=self.mode, action=(REJECTED if reject else FALLBACK) if prod else WOULD_LOAD,
+            adapter=self.adapter, spec=self.spec, server=self.server, model=self.base if prod else None,
+            fallback_reason=reason, resident=False, reject=reject, tenant=self.tenant,
+            request_id=self.request_id, route_ns=self.route_ns, base=self.base,
         )
 
 
@@ -273,15 +281,14 @@ class MultiLoRA:
         if spec is not None:
             server, reason = self._pick_server(spec, base_hint)
         if reason is not None:
-            decision = self._fallback(mode, req, name, spec, server, reason, base_hint, t0)
-            decision.denied = denied
-            return decision
+            return self._fallback(mode, req, name, spec, server, reason, base_hint, denied, t0)
         resident = req.resident
         if resident is None:
             resident = name in (server.resident if server is not None else self.resident)
         kind = server.kind if server is not None else self.engine
-        base = ((server.base_model if server else None) or base_hint or self.base_model
-                or (req.model if req.lora_name is not None else None))
+        base = (server.base_model if server else None) or base_hint or self.base_model
+        if base is None and req.lora_name is not None and req.model and not self._selects_adapter(req.model):
+            base = req.model
         if mode is Mode.SHADOW:
             action, up_model = WOULD_LOAD, None
         else:
@@ -363,22 +370,34 @@ class MultiLoRA:
         return Decision(mode, server=server, tenant=req.tenant, request_id=req.request_id, route_ns=_perf_ns() - t0)
 
     def _fallback(self, mode: Mode, req: RouteRequest, name: str | None, spec: AdapterSpec | None,
-                  server: ModelServer | None, reason: str, base_hint: str | None, t0: int) -> Decision:
-        # The base the client meant: the prefix of base:adapter, or model when the adapter came from lora_name.
+                  server: ModelServer | None, reason: str, base_hint: str | None, denied: bool, t0: int) -> Decision:
+        # The base the client meant (the prefix of base:adapter, or model when the adapter came from lora_name),
+        # unless that string itself selects an adapter: a client-chosen adapter name never goes upstream.
         meant = base_hint or (req.model if req.lora_name is not None else None)
+        if meant is not None and self._selects_adapter(meant):
+            meant = None
         if server is None:
             server = self._base_server(meant, req.tenant)
-        base = (server.base_model if server else None) or meant or self.base_model
+        base = (server.base_model if server else None) or self.base_model or meant
         if mode is Mode.SHADOW:
             action = WOULD_LOAD
         elif self.on_unknown == "reject" and reason in _REJECTABLE:
             action = REJECTED
         else:
             action = FALLBACK
+        # Shadow changes nothing, except that another tenant's adapter must never run: send it to the base.
+        enforce = mode is Mode.PROD or denied
+        reject = action == REJECTED or (enforce and base is None and req.model is not None
+                                        and self._selects_adapter(req.model))
         safe_name = None if reason == "invalid_name" else name
-        return Decision(mode, action, safe_name, spec, server, base if mode is Mode.PROD else None, reason,
-                        False if spec else None, False, action == REJECTED, req.tenant, req.request_id, False, None,
-                        _perf_ns() - t0, base)
+        return Decision(mode, REJECTED if reject else action, safe_name, spec, server, base if enforce else None,
+                        reason, False if spec else None, False, reject, req.tenant, req.request_id, False, None,
+                        _perf_ns() - t0, base, denied)
+
+    def _selects_adapter(self, model: str) -> bool:
+        """True when ``model`` names a registered adapter, directly or as ``base:adapter``."""
+        specs = self.registry.specs
+        return model in specs or model.partition(":")[2] in specs
 
     # -- measurements and traces --------------------------------------------------------------
     def observe_load(self, adapter: str, ms: float, size_bytes: int | None = None) -> None:

@@ -157,3 +157,25 @@ def test_probe_reads_sglang_server_info():
     asyncio.run(probe_server(server, client))
     assert server.base_model == BASE and server.max_lora_rank == 16 and server.capacity == 7
     assert server.runtime_loading is True and "code-python-v2" in server.resident
+
+
+def test_a_caller_that_gives_up_does_not_cancel_the_load_others_wait_for():
+    skill, server = skill_for("vllm")
+
+    async def handler(request):
+        await asyncio.sleep(0.3)
+        return httpx.Response(200, text="Success: LoRA adapter 'code-python-v2' added successfully.")
+
+    async def main():
+        client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        impatient = skill.route(RouteRequest(model="code-python-v2"))
+        patient = skill.route(RouteRequest(model="code-python-v2"))
+        first = asyncio.ensure_future(asyncio.wait_for(ensure_adapter(skill, impatient, client), 0.05))
+        await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(ensure_adapter(skill, patient, client))
+        with pytest.raises(asyncio.TimeoutError):
+            await first
+        return await second
+
+    d = asyncio.run(main())
+    assert d.applied and d.resident and "code-python-v2" in server.resident

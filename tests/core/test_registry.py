@@ -156,3 +156,65 @@ def test_compatibility_rules_follow_each_engine():
     assert compatibility(fancy, "openai") == []
     with pytest.raises(ValueError):
         compatibility(plain, "tgi")
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"rank_pattern": {"q_proj": 0}}, "outside 1..4096"),
+        ({"rank_pattern": {"q_proj": -2}}, "outside 1..4096"),
+        ({"alpha_pattern": {"q_proj": -1e308}}, "lora_alpha"),
+        ({"lora_alpha": 1e39}, "lora_alpha"),
+        ({"r": 0}, "r"),
+    ],
+)
+def test_configs_whose_scaling_cannot_be_computed_are_refused(tmp_path, peft_root, patch, message):
+    d = _copy(peft_root, tmp_path, "x")
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    cfg.update(patch)
+    (d / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InvalidAdapter, match=message):
+        load_spec(d, "x")
+
+
+def test_negative_or_empty_tensor_shapes_are_refused(tmp_path, peft_root):
+    d = _copy(peft_root, tmp_path, "neg")
+    st = d / "adapter_model.safetensors"
+    data = st.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    key = next(k for k in header if k.endswith("q_proj.lora_A.weight"))
+    header[key]["shape"] = [-8, -64]
+    raw = json.dumps(header).encode()
+    st.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+    with pytest.raises(InvalidAdapter, match="negative dimension"):
+        load_spec(d, "neg")
+
+
+def test_config_symlinked_to_a_device_is_refused_without_reading_it(tmp_path, peft_root):
+    root = tmp_path / "root"
+    root.mkdir()
+    d = _copy(peft_root, root, "dev")
+    (d / "adapter_config.json").unlink()
+    (d / "adapter_config.json").symlink_to("/dev/zero")
+    reg = AdapterRegistry.from_dir(root)
+    assert len(reg) == 0 and "symlink out of the registry root" in next(iter(reg.errors.values()))
+    with pytest.raises(InvalidAdapter, match="not a regular file"):
+        load_spec(d, "dev")  # no root given: still never read
+
+
+def test_a_tampered_index_cannot_point_outside_the_root_or_rename(tmp_path, peft_root):
+    root = tmp_path / "root"
+    shutil.copytree(peft_root, root)
+    index = tmp_path / "index.json"
+    AdapterRegistry.from_dir(root, index=index)
+    data = json.loads(index.read_text())
+    entry = data["adapters"]["code-python-v2"]
+    entry["spec"]["path"] = str(root / ".." / "outside" / "secret")
+    entry["spec"]["rank"] = 4096
+    data["adapters"]["med-qa-v1"]["spec"]["name"] = "code-python-v2"
+    index.write_text(json.dumps(data))
+    reg = AdapterRegistry.from_dir(root, index=index)
+    code = reg.get("code-python-v2")
+    assert code.path == str((root / "code-python-v2").resolve()) and code.rank == 8
+    assert reg.get("med-qa-v1").name == "med-qa-v1"

@@ -183,3 +183,39 @@ def test_a_failed_load_turns_into_a_load_failed_fallback():
     bare = MultiLoRA(registry=AdapterRegistry([AdapterSpec(name="a", path="/a")]), mode="prod")
     d2 = bare.route(RouteRequest(model="my-base", lora_name="a")).fall_back("load_failed")
     assert d2.apply({"model": "my-base", "lora_name": "a"}) == {"model": "my-base"}
+
+
+def test_a_bad_lora_name_never_lets_model_select_another_tenants_adapter():
+    skill = make_skill(servers=[])  # no fleet and no configured base: the base is unknown
+    for kw in (dict(model="code-python-v2", lora_name="nope"), dict(model="code-python-v2", lora_name="../x"),
+               dict(model=f"{BASE}:code-python-v2", lora_name="nope")):
+        d = route(skill, tenant="intruder", **kw)
+        assert d.reject and d.action == "rejected", kw
+    ok = route(skill, model="my-base", lora_name="nope", tenant="intruder")
+    assert ok.action == "fallback_base_model" and ok.apply({"model": "my-base", "lora_name": "nope"}) == {"model": "my-base"}
+
+
+def test_shadow_never_runs_another_tenants_adapter_but_leaves_the_rest_untouched():
+    skill = make_skill(mode="shadow")
+    d = route(skill, model="code-python-v2", tenant="intruder")
+    assert d.action == "would_load_lora" and d.fallback_reason == "unknown_adapter"
+    assert d.apply({"model": "code-python-v2", "temperature": 0}) == {"model": BASE, "temperature": 0}
+    mine = route(skill, model="code-python-v2", tenant="tenant_dev_01")
+    body = {"model": "code-python-v2"}
+    assert mine.apply(body) is body
+
+
+def test_failed_load_without_a_known_base_is_refused_not_guessed():
+    skill = make_skill(servers=[])
+    d = route(skill, model="med-qa-v1", tenant="t").fall_back("load_failed")
+    assert d.reject and d.fallback_reason == "load_failed"
+
+
+def test_null_lora_name_falls_through_to_extra_body():
+    req = RouteRequest.from_body({"model": BASE, "lora_name": None, "extra_body": {"lora_name": "med-qa-v1"}})
+    assert req.lora_name == "med-qa-v1"
+
+
+def test_a_server_endpoint_given_with_v1_still_loads_at_the_root():
+    s = ModelServer(name="s", endpoint="http://gpu1:8000/v1/", kind="vllm")
+    assert s.endpoint == "http://gpu1:8000" and s.openai_base_url == "http://gpu1:8000/v1"
