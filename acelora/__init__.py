@@ -23,6 +23,7 @@ from acelora.errors import (
 from acelora.fleet import Fleet, ModelServer
 from acelora.names import adapter_hash, check_adapter_name, file_digest, is_valid_adapter_name
 from acelora.registry import AdapterRegistry, AdapterSpec, compatibility
+from acelora.residency import AccessResult, Residency
 from acelora.skill import Decision, Mode, MultiLoRA, RouteRequest
 from acelora.trace import TraceEvent, TraceRecorder, decode_header, encode_header
 
@@ -48,9 +49,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "AceloraError", "AdapterNotFound", "AdapterRegistry", "AdapterRejected", "AdapterSpec", "ConfigError",
+    "AccessResult", "AceloraError", "AdapterNotFound", "AdapterRegistry", "AdapterRejected", "AdapterSpec", "ConfigError",
     "Decision", "Fleet", "IncompatibleAdapter", "InvalidAdapter", "InvalidRequest", "Mode", "ModelServer",
-    "MultiLoRA", "MultiLoRAMiddleware", "RouteRequest", "TraceEvent", "TraceRecorder", "UnsafeAdapterName",
+    "MultiLoRA", "MultiLoRAMiddleware", "Residency", "RouteRequest", "TraceEvent", "TraceRecorder", "UnsafeAdapterName",
     "UnsafeAdapterPath", "adapter_hash", "check_adapter_name", "compatibility", "create_gateway", "decode_header",
     "encode_header", "ensure_adapter", "file_digest", "is_valid_adapter_name", "probe_server", "wrap_openai",
 ]  # fmt: skip
