@@ -111,7 +111,8 @@ def lora_batch(model: nn.Module, adapter_names: Sequence[str | None]) -> Iterato
     """Run the forwards inside with one adapter per batch row (``None``/``"__base__"``: base model).
 
     The named adapters must be resident; they cannot be evicted until the block exits. Works for
-    prefill (``[B, T]``) and for decode steps with a KV cache (``[B, 1]``).
+    prefill (``[B, T]``) and for decode steps with a KV cache (``[B, 1]``). One batch per model at a
+    time (the engine's step loop): a nested block replaces the outer batch until it exits.
 
     >>> with lora_batch(model, ["code-python-v2", None, "legal-v1"]):  # doctest: +SKIP
     ...     logits = model(input_ids, attention_mask=mask).logits

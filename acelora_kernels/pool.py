@@ -129,13 +129,9 @@ class AdapterPool:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head]
         modules = {n: ModuleSpec(i, m.in_features, m.out_features) for i, (n, m) in enumerate(linears)}
-        param = next(model.parameters())
+        p = next(model.parameters())
         return cls(
-            modules,
-            budget_bytes,
-            dtype=dtype or param.dtype,
-            device=device or param.device,
-            page_elems=page_elems,
+            modules, budget_bytes, dtype=dtype or p.dtype, device=device or p.device, page_elems=page_elems
         )
 
     # -- loading -------------------------------------------------------------------------------
@@ -326,14 +322,7 @@ class AdapterPool:
         >>> entries = pool.acquire(["legal-v1"]); pool.release(entries)  # doctest: +SKIP
         """
         with self._lock:
-            entries = []
-            for n in names:
-                e = self._resident.get(n)
-                if e is None:
-                    raise AdapterNotResident(
-                        f"{n} is not loaded in the pool; call pool.load({n!r}, path) first"
-                    )
-                entries.append(e)
+            entries = [self._get(n) for n in names]  # all or nothing
             for e in entries:
                 e.users += 1
                 self._resident.move_to_end(e.name)
