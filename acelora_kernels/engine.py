@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from acelora.errors import AdapterNotFound
-from acelora_kernels.engine_loop import EngineLoop, Seq
+from acelora_kernels.engine_loop import AdapterFailed, EngineLoop, Seq
 from acelora_kernels.errors import AdapterInUse, AdapterNotResident
 from acelora_kernels.kv_batch import KVBatch
 from acelora_kernels.layers import attach
@@ -93,6 +93,7 @@ class Engine(EngineLoop):
         self.pool = pool if pool is not None else AdapterPool.for_model(model, pool_bytes)
         attach(self.model, self.pool)
         self._paths: dict[str, Path] = {}
+        self._failed: dict[str, str] = {}
         self._resolver: Resolver | None = None
         if callable(adapters):
             self._resolver = adapters
@@ -124,9 +125,12 @@ class Engine(EngineLoop):
     def register(self, name: str, path: str | os.PathLike[str]) -> None:
         """Make ``name`` servable from the PEFT directory ``path`` (loaded on first use).
 
+        Registering again re-enables an adapter that was disabled after failing a forward pass.
+
         >>> engine.register("med-qa-v1", "/adapters/med-qa-v1")  # doctest: +SKIP
         """
         self._paths[name] = Path(path)
+        self._failed.pop(name, None)
 
     def unregister(self, name: str) -> None:
         """Forget ``name`` (in-flight requests finish; its pages go when the LRU needs them).
@@ -134,6 +138,15 @@ class Engine(EngineLoop):
         >>> engine.unregister("med-qa-v1")  # doctest: +SKIP
         """
         self._paths.pop(name, None)
+        self._failed.pop(name, None)
+
+    def failed_adapters(self) -> dict[str, str]:
+        """Adapters disabled because they broke a forward pass, with the reason (until registered again).
+
+        >>> engine.failed_adapters()  # doctest: +SKIP
+        {'alpha-neg': 'RuntimeError: value cannot be converted to type float without overflow'}
+        """
+        return dict(self._failed)
 
     def adapter_path(self, name: str) -> Path | None:
         """The directory ``name`` is served from, or None when it is unknown.
@@ -196,6 +209,8 @@ class Engine(EngineLoop):
         params = params or SamplingParams()
         if adapter is not None and self.adapter_path(adapter) is None:
             raise AdapterNotFound(f"adapter {adapter!r} is not registered")
+        if adapter is not None and adapter in self._failed:
+            raise AdapterFailed(adapter, self._failed[adapter])
         if not prompt_ids:
             raise ValueError("prompt is empty; pass at least one token")
         if params.max_tokens < 1:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from acelora.errors import AdapterNotFound
+from acelora.errors import AceloraError, AdapterNotFound
 from acelora_kernels.kv_batch import KVBatch, cache_tensors, make_cache, select_rows
 from acelora_kernels.layers import lora_batch
 from acelora_kernels.leases import AdapterLeases
@@ -28,6 +28,24 @@ from acelora_kernels.textgen import (
     Timings,
     sample_next,
 )
+
+
+class AdapterFailed(AceloraError, RuntimeError):
+    """An adapter broke a forward pass (an error or non-finite logits): it is disabled until reloaded.
+
+    >>> raise AdapterFailed("LoRA adapter 'x-v1' failed ...; reload it with load_inplace=true")  # doctest: +SKIP
+    """
+
+    def __init__(self, name: str, cause: str) -> None:
+        super().__init__(
+            f"LoRA adapter '{name}' failed during generation and was disabled ({cause}); "
+            "fix its files and load it again (load_inplace=true) to serve it"
+        )
+        self.adapter = name
+
+
+#: what a forward over some rows gives: last-position logits, the new K/V and the mask used
+Step = tuple[torch.Tensor, list[Any], torch.Tensor]
 
 
 @dataclass(eq=False, slots=True)
@@ -74,7 +92,9 @@ class EngineLoop:
     _batch: KVBatch
     _leases: AdapterLeases
     _stop: bool
+    _failed: dict[str, str]  # adapter name -> why it was disabled
     adapter_path: Callable[[str], Path | None]
+    reload: Callable[[str], None]
 
     def _wake(self) -> None:
         with self._cv:
@@ -137,6 +157,8 @@ class EngineLoop:
                         raise AdapterNotFound(
                             f"adapter {s.adapter!r} was unregistered while the request waited"
                         )
+                    if s.adapter in self._failed:
+                        raise AdapterFailed(s.adapter, self._failed[s.adapter])
                     cold = self._leases.take(s.adapter, path)
                 except Exception as e:  # unloadable adapter: this request fails, the others go on
                     self._waiting.remove(s)
@@ -177,13 +199,24 @@ class EngineLoop:
 
     def _prefill(self, new: list[Seq]) -> None:
         t0 = time.perf_counter()
-        width = max(len(s.prompt) for s in new)
         pad = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
         dev = self.device
-        ids = torch.tensor([[pad] * (width - len(s.prompt)) + s.prompt for s in new], device=dev)
-        mask = torch.tensor([[0] * (width - len(s.prompt)) + [1] * len(s.prompt) for s in new], device=dev)
-        pos = (mask.cumsum(1) - 1).clamp_(min=0)
-        logits, kv = self._forward(ids, mask, pos, [s.adapter for s in new], [])
+
+        def run(idx: list[int], base: bool = False) -> Step:
+            rows = [new[i] for i in idx]
+            width = max(len(s.prompt) for s in rows)
+            ids = torch.tensor([[pad] * (width - len(s.prompt)) + s.prompt for s in rows], device=dev)
+            mask = torch.tensor(
+                [[0] * (width - len(s.prompt)) + [1] * len(s.prompt) for s in rows], device=dev
+            )
+            pos = (mask.cumsum(1) - 1).clamp_(min=0)
+            names = [None if base else s.adapter for s in rows]
+            return (*self._forward(ids, mask, pos, names, []), mask)
+
+        idx, (logits, kv, mask) = self._isolate(new, run)
+        new = [new[i] for i in idx]
+        if not new:
+            return
         ms = (time.perf_counter() - t0) * 1e3
         for s in new:
             s.pos, s.timings.prefill_ms = len(s.prompt), ms
@@ -201,18 +234,80 @@ class EngineLoop:
         ids = torch.tensor([[s.out[-1]] for s in rows], device=self.device)
         pos = torch.tensor([[s.pos] for s in rows], device=self.device)
         mask = self._batch.step_mask()
-        logits, kv = self._forward(ids, mask, pos, [s.adapter for s in rows], self._batch.kv)
+        names = [s.adapter for s in rows]
+
+        def run(idx: list[int], base: bool = False) -> Step:
+            if len(idx) == len(rows):
+                return (*self._forward(ids, mask, pos, names, self._batch.kv), mask)
+            kv, sub_mask = select_rows(self._batch.kv, mask, idx)  # padding columns stay: they are masked
+            t = torch.tensor(idx, device=self.device)
+            sub = [None if base else names[i] for i in idx]
+            return (*self._forward(ids[t], sub_mask, pos[t], sub, kv), sub_mask)
+
+        idx, (logits, kv, mask) = self._isolate(rows, run)
+        if len(idx) < len(rows):
+            rows = self._running = [rows[i] for i in idx]
+        if not rows:
+            self._batch = KVBatch()
+            return
         self._batch.update(kv, mask)
         for s in rows:
             s.pos += 1
         self.stats["steps"] += 1
         self._emit(rows, logits)
 
+    def _isolate(self, rows: list[Seq], run: Callable[..., Step]) -> tuple[list[int], Step]:
+        """``run`` every row; when that raises, disable the adapters at fault and run the others again.
+
+        The first row is tried alone on the base model, then each distinct adapter alone on one of
+        its rows; the adapters that raise there (when the base model did not) are the culprits:
+        their requests fail and the rest of the batch is stepped again without them. Otherwise the
+        fault is not an adapter's and the error propagates (every row of the step fails).
+        """
+        every = list(range(len(rows)))
+        try:
+            return every, run(every)
+        except Exception as err:
+            culprits: dict[str, str] = {}
+            try:
+                run([0], base=True)
+            except Exception:
+                raise err from None
+            for name in dict.fromkeys(s.adapter for s in rows if s.adapter is not None):
+                first = next(i for i, s in enumerate(rows) if s.adapter == name)
+                try:
+                    run([first])
+                except Exception as e:
+                    culprits[name] = f"{type(e).__name__}: {e}"
+            if not culprits:
+                raise err from None
+        for name, cause in culprits.items():
+            self._disable(name, cause)
+        idx = [i for i, s in enumerate(rows) if s.adapter not in culprits]
+        return idx, (run(idx) if idx else (torch.empty(0), [], torch.empty(0)))
+
+    def _disable(self, name: str, cause: str) -> None:
+        """Fail every request of adapter ``name`` and refuse it until it is registered again."""
+        self._failed[name] = cause
+        err = AdapterFailed(name, cause)
+        for s in self._running + self._admitting + self._waiting:
+            if s.adapter == name:
+                self._fail(s, err)
+        self._waiting = [s for s in self._waiting if not s.done]
+        self.reload(name)  # drop its pages (no request holds it now) so a reload reads the files again
+
     def _emit(self, rows: list[Seq], logits: torch.Tensor) -> None:
         now = time.perf_counter()
         greedy = logits.argmax(-1).tolist()  # one op for every greedy row
-        for s, row, best in zip(rows, logits, greedy, strict=True):
+        finite = torch.isfinite(logits).all(-1).tolist()
+        for s, row, best, ok in zip(rows, logits, greedy, finite, strict=True):
             if s.done:
+                continue
+            if not ok:  # rows are independent: only this row's adapter can have made it inf/NaN
+                if s.adapter is None:
+                    self._fail(s, FloatingPointError("the base model produced non-finite logits"))
+                else:
+                    self._disable(s.adapter, "its output logits are not finite (NaN or inf)")
                 continue
             tok = best if s.gen is None else sample_next(row, s.params.temperature, s.params.top_p, s.gen)
             s.out.append(tok)
@@ -228,7 +323,7 @@ class EngineLoop:
             elif len(s.out) >= s.params.max_tokens or s.pos + 1 >= self.max_model_len:
                 self._finish(s, "length", None, delta)
             elif delta:
-                s.sink(StreamEvent(delta, [tok]))
+                self._send(s, StreamEvent(delta, [tok]))
 
     def _finish(self, s: Seq, reason: str, stop_reason: str | int | None, delta: str = "") -> None:
         s.done = True
@@ -240,7 +335,7 @@ class EngineLoop:
         result = GenerationResult(
             s.detok.text, list(s.out), reason, stop_reason, len(s.prompt), len(s.out), s.adapter, s.timings
         )
-        s.sink(StreamEvent(tail, s.out[-1:], reason, stop_reason, result=result))
+        self._send(s, StreamEvent(tail, s.out[-1:], reason, stop_reason, result=result))
 
     def _fail(self, s: Seq, err: BaseException) -> None:
         if not s.done:
@@ -248,4 +343,10 @@ class EngineLoop:
             if s.held:
                 s.held = False
                 self._leases.give(s.adapter)  # type: ignore[arg-type]
-            s.sink(StreamEvent("", [], error=err))
+            self._send(s, StreamEvent("", [], error=err))
+
+    def _send(self, s: Seq, ev: StreamEvent) -> None:
+        try:
+            s.sink(ev)
+        except Exception:  # a sink that raises (its event loop closed) loses its request, not the batch
+            s.cancelled = True

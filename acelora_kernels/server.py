@@ -30,7 +30,7 @@ from starlette.routing import Route
 from acelora.errors import AdapterNotFound
 from acelora.names import is_valid_adapter_name
 from acelora_kernels import vllm_wire as wire
-from acelora_kernels.engine import Engine, SamplingParams
+from acelora_kernels.engine import AdapterFailed, Engine, SamplingParams
 from acelora_kernels.server_lora import RuntimeLoraRoutes
 
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -265,6 +265,10 @@ class EngineServer(RuntimeLoraRoutes):
             return self.unknown_model(adapter or "")
         except TimeoutError:
             return wire.error(504, f"Generation timed out after {self.timeout:g}s.", "TimeoutError")
+        except AdapterFailed as e:  # this adapter broke the batch: only its requests fail
+            return wire.error(500, wire.redact(str(e)), "InternalServerError")
+        except Exception as e:  # answered here: the app-level handler re-raises, which drops the connection
+            return wire.error(500, wire.redact(f"{type(e).__name__}: {e}"), "InternalServerError")
         finally:
             self.end(
                 adapter, result.completion_tokens if result else 0, result.finish_reason if result else None
