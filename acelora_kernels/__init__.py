@@ -9,8 +9,16 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from acelora_kernels.layers import attach, lora_batch
-from acelora_kernels.pool import AdapterPool
+from acelora_kernels.errors import (
+    AdapterInUse,
+    AdapterNotResident,
+    AdapterTooLarge,
+    NonFiniteWeights,
+    NotAttached,
+    PoolFull,
+)
+from acelora_kernels.layers import BASE, LoraAttachment, attach, lora_batch
+from acelora_kernels.pool import AdapterPool, LoadResult
 
 _LAZY = {
     "Engine": "acelora_kernels.engine",
@@ -24,7 +32,10 @@ _LAZY = {
     "tiny_model": "acelora_kernels.tiny",
 }
 
-__all__ = ["AdapterPool", "attach", "lora_batch", *_LAZY]
+__all__ = [
+    "BASE", "AdapterInUse", "AdapterNotResident", "AdapterPool", "AdapterTooLarge", "LoadResult", "LoraAttachment",
+    "NonFiniteWeights", "NotAttached", "PoolFull", "attach", "lora_batch", *_LAZY,
+]  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
