@@ -26,7 +26,10 @@ def build_skill(n_adapters: int, n_tenants: int = 100, servers: int = 2) -> Mult
                     base_model=BASE, size_bytes=rng.randint(1, 64) << 20)
         for i in range(n_adapters)
     ]
-    grants = {f"t{i % n_tenants}": [s.name] for i, s in enumerate(specs) if i % 10 == 0}
+    grants: dict[str, list[str]] = {}
+    for i, s in enumerate(specs):
+        if i % 10 == 0:
+            grants.setdefault(f"t{i % n_tenants}", []).append(s.name)
     reg = AdapterRegistry(specs, grants=grants)
     fleet = Fleet(ModelServer(name=f"vllm-{k}", endpoint=f"http://gpu{k}:8000", kind="vllm", base_model=BASE,
                               max_lora_rank=32, capacity=64) for k in range(servers))
@@ -36,7 +39,7 @@ def build_skill(n_adapters: int, n_tenants: int = 100, servers: int = 2) -> Mult
 
 
 def requests_for(skill: MultiLoRA, n: int, seed: int = 0) -> list[RouteRequest]:
-    """70% hits (resident or cold), 30% fallbacks (unknown, forbidden, invalid, rank too large)."""
+    """About 60% hits (resident or cold) and 40% fallbacks (unknown, forbidden, invalid, rank too large)."""
     rng = random.Random(seed)
     names = [s.name for s in skill.registry]
     out = []
@@ -48,7 +51,7 @@ def requests_for(skill: MultiLoRA, n: int, seed: int = 0) -> list[RouteRequest]:
         elif r < 0.80:
             out.append(RouteRequest(model=f"missing-{rng.randrange(10**6)}", tenant="t1"))
         elif r < 0.90:
-            out.append(RouteRequest(model=name, tenant="intruder"))
+            out.append(RouteRequest(model=rng.choice(names[::10]), tenant="intruder"))  # another tenant's
         else:
             out.append(RouteRequest(model=BASE, lora_name="../" + name))
     return out

@@ -57,6 +57,8 @@ class AdapterSpec:
     digest: str | None = None
     tenants: frozenset[str] | None = None
     hash: str = ""
+    # route()'s cached placement (fleet version, base hint, servers, reason); not part of the description
+    placement: tuple[Any, ...] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.hash:
@@ -64,6 +66,7 @@ class AdapterSpec:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        d.pop("placement")
         d["tenants"] = sorted(self.tenants) if self.tenants is not None else None
         return d
 

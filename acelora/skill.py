@@ -226,7 +226,6 @@ class MultiLoRA:
         self.admin_key = admin_key
         self.config: Any = None  # the validated AceloraConfig when built by from_config()
         self.resident: set[str] = set()  # adapters known loaded on the upstream when there is no fleet
-        self._placement: dict[str, tuple[Any, ...]] = {}  # adapter -> (fleet version, spec, hint, servers, reason)
         self._base_order: dict[tuple[str | None, str | None], tuple[int, list[ModelServer]]] = {}
         self._bases_cache: tuple[Any, frozenset[str]] = (None, frozenset())
         self._cold_ms: dict[str, float] = {}
@@ -307,11 +306,10 @@ class MultiLoRA:
 
     def _pick_server(self, spec: AdapterSpec, base_hint: str | None) -> tuple[ModelServer | None, str | None]:
         fleet = self.fleet
-        cached = self._placement.get(spec.name)
-        if cached is None or cached[0] != fleet.version or cached[1] is not spec or cached[2] != base_hint:
-            cached = (fleet.version, spec, base_hint, *self._placement_for(spec, base_hint))
-            self._placement[spec.name] = cached
-        ordered, reason = cached[3], cached[4]
+        cached = spec.placement
+        if cached is None or cached[0] != fleet.version or cached[1] != base_hint or cached[4] is not self:
+            cached = spec.placement = (fleet.version, base_hint, *self._placement_for(spec, base_hint), self)
+        ordered, reason = cached[2], cached[3]
         if reason is not None or not ordered:
             return None, reason
         first_with_room = None
