@@ -3,13 +3,15 @@
 Mixed into :class:`acelora_kernels.server.EngineServer`; routed only when runtime updating is on.
 On top of vLLM's checks (empty fields, duplicates, missing path -> 404, incompatible -> 500), a
 name must be an identifier, and a path must be absolute and resolve (symlinks followed) inside an
-allowed adapter directory: a relative path or Hub id is never loaded.
+allowed adapter directory: a relative path or Hub id is never loaded. So must every file the load
+reads (a symlinked ``adapter_model.safetensors`` cannot pull in a file from elsewhere), and each
+must be a regular file (a FIFO would hang the reader).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +21,7 @@ from starlette.responses import Response
 
 from acelora.errors import IncompatibleAdapter, InvalidAdapter
 from acelora.names import check_adapter_name, is_valid_adapter_name
-from acelora.peft_format import CONFIG_NAME, read_config
+from acelora.peft_format import CONFIG_NAME, PICKLE_NAME, SAFETENSORS_NAME, read_config
 from acelora_kernels import vllm_wire as wire
 from acelora_kernels.errors import AdapterInUse, PoolFull
 from acelora_kernels.loader import plan_adapter
@@ -67,6 +69,9 @@ class RuntimeLoraRoutes:
             if not any(resolved.is_relative_to(root) for root in self.roots):
                 return wire.error(400, wire.redact(f"lora_path {sent} is outside the allowed adapter directories."),
                                   "InvalidUserInput")  # fmt: skip
+            escape = outside_roots(resolved, self.roots)
+            if escape is not None:
+                return wire.error(400, wire.redact(f"lora_path {sent}: {escape}"), "InvalidUserInput")
             if not (resolved / CONFIG_NAME).is_file():
                 return wire.error(404, wire.redact(f"Loading lora {name} failed: No adapter found for {sent}"),
                                   "NotFoundError")  # fmt: skip
@@ -121,6 +126,35 @@ class RuntimeLoraRoutes:
             self.engine.unregister(req.lora_name)
             self.sent_paths.pop(req.lora_name, None)
         return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", status_code=200)
+
+
+#: every file loading an adapter directory may open
+ADAPTER_FILES = (CONFIG_NAME, SAFETENSORS_NAME, PICKLE_NAME)
+
+
+def outside_roots(adapter_dir: Path, roots: Sequence[Path]) -> str | None:
+    """Why loading ``adapter_dir`` would read outside ``roots`` (or a non-regular file); None if it would not.
+
+    >>> outside_roots(Path("/adapters/x-v1"), [Path("/adapters")])  # doctest: +SKIP
+    'adapter_model.safetensors resolves outside the allowed adapter directories'
+    """
+    real_roots = [Path(r).resolve() for r in roots]
+
+    def inside(p: Path) -> bool:
+        real = p.resolve()
+        return any(real.is_relative_to(r) for r in real_roots)
+
+    if not inside(adapter_dir):
+        return "the adapter directory resolves outside the allowed adapter directories"
+    for name in ADAPTER_FILES:
+        file = adapter_dir / name
+        if not (file.is_symlink() or file.exists()):
+            continue  # a missing file is the loader's own error
+        if not inside(file):
+            return f"{name} resolves outside the allowed adapter directories"
+        if not file.resolve().is_file():
+            return f"{name} is not a regular file"
+    return None
 
 
 def _name_error(name: str) -> Exception:

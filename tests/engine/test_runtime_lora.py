@@ -117,3 +117,21 @@ def test_disabled_runtime_loading_is_a_plain_404_like_vllm(locked_server, demo) 
     client = openai.OpenAI(base_url=locked_server.url + "/v1", api_key="unused", max_retries=0)
     assert client.chat.completions.create(model="med-qa-v1", messages=CHAT, temperature=0,
                                           max_tokens=8).choices[0].message.content.startswith("[med]")  # fmt: skip
+
+
+@pytest.mark.parametrize("file", ["adapter_model.safetensors", "adapter_config.json"])
+def test_load_refuses_an_adapter_whose_files_are_symlinked_out_of_the_allowed_root(
+    server, demo, extra_root, tmp_path, file
+) -> None:
+    outside = tmp_path / "outside-secret"
+    shutil.copytree(demo.adapters["legal-compliance-v1"], outside)
+    linked = extra_root / f"link-{file.split('.')[0].replace('_', '-')}"
+    shutil.copytree(demo.adapters["med-qa-v1"], linked)
+    (linked / file).unlink()
+    (linked / file).symlink_to(outside / file)
+    name = linked.name
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(linked)})
+    err = r.json()["error"]
+    assert (r.status_code, err["type"]) == (400, "InvalidUserInput")
+    assert "outside the allowed adapter directories" in err["message"] and str(tmp_path) not in err["message"]
+    assert name not in [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]]
