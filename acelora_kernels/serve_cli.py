@@ -1,4 +1,8 @@
-"""``acelora serve``: build an engine (tiny model + demo adapters unless told otherwise) and serve it."""
+"""``acelora serve``: build an engine (tiny model + demo adapters unless told otherwise) and serve it.
+
+An argument that cannot work (a missing directory, a malformed ``--lora-modules`` entry, a model
+that does not load) ends the command with one line on stderr and exit status 2, as argparse does.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,35 @@ from acelora.peft_format import CONFIG_NAME, SAFETENSORS_NAME
 DEFAULT_PORT = 8000
 
 
+class ServeArgumentError(ValueError):
+    """A ``serve`` argument that cannot work; the message names the option and what to fix.
+
+    >>> raise ServeArgumentError("--adapters /nope: not a directory")  # doctest: +SKIP
+    """
+
+
+def _at_least(low: int) -> Any:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _warn(message: str) -> None:
+    print(f"acelora serve: warning: {message}", file=sys.stderr, flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``serve`` options (vLLM's names where vLLM has one).
 
@@ -27,21 +60,30 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default with no --model: the demo adapters, made on first use)")  # fmt: skip
     p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH", help="extra static adapters")
     p.add_argument(
-        "--demo-adapters", type=int, default=5, metavar="N", help="how many demo adapters (default 5)"
+        "--demo-adapters",
+        type=_at_least(1),
+        default=5,
+        metavar="N",
+        help="how many demo adapters (default 5)",
     )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--max-loras", type=int, default=32, help="distinct adapters in one batch")
+    p.add_argument("--port", type=_at_least(0), default=DEFAULT_PORT)
+    p.add_argument("--max-loras", type=_at_least(1), default=32, help="distinct adapters in one batch")
     p.add_argument(
-        "--max-cpu-loras", type=int, help="size the adapter pool to hold this many of the largest adapter"
+        "--max-cpu-loras",
+        type=_at_least(1),
+        help="size the adapter pool to hold this many of the largest adapter",
     )
     p.add_argument(
-        "--pool-mb", type=float, default=64.0, help="adapter pool size when --max-cpu-loras is not given"
+        "--pool-mb",
+        type=_positive_float,
+        default=64.0,
+        help="adapter pool size when --max-cpu-loras is not given",
     )
-    p.add_argument("--max-lora-rank", type=int, default=64)
-    p.add_argument("--max-batch", type=int, default=64, help="sequences decoded together")
+    p.add_argument("--max-lora-rank", type=_at_least(1), default=64)
+    p.add_argument("--max-batch", type=_at_least(1), default=64, help="sequences decoded together")
     p.add_argument(
-        "--max-tokens-cap", type=int, default=1024, help="largest max_tokens a request may ask for"
+        "--max-tokens-cap", type=_at_least(1), default=1024, help="largest max_tokens a request may ask for"
     )
     p.add_argument(
         "--enable-runtime-lora",
@@ -62,19 +104,39 @@ def build_parser() -> argparse.ArgumentParser:
 def static_adapters(adapters_dir: str | os.PathLike[str] | None, modules: list[str]) -> dict[str, Path]:
     """Every ``<dir>/<name>/adapter_config.json`` with a valid name, plus ``NAME=PATH`` entries.
 
+    An adapter of ``adapters_dir`` that would read a file from outside it (a symlinked directory,
+    config or weights file) is skipped with a warning; a bad argument raises :class:`ServeArgumentError`.
+
     >>> static_adapters(None, [])
     {}
     """
+    from acelora_kernels.server_lora import outside_roots
+
     found: dict[str, Path] = {}
     if adapters_dir is not None:
+        if not Path(adapters_dir).is_dir():
+            raise ServeArgumentError(
+                f"--adapters {adapters_dir}: not a directory of PEFT adapter directories"
+            )
         root = Path(adapters_dir).resolve()
-        for sub in sorted(root.iterdir()):
-            if sub.is_dir() and (sub / CONFIG_NAME).is_file() and is_valid_adapter_name(sub.name):
-                found[sub.name] = sub
+        try:
+            subs = sorted(root.iterdir())
+        except OSError as e:
+            raise ServeArgumentError(f"--adapters {adapters_dir}: cannot list it ({e.strerror})") from None
+        for sub in subs:
+            if not (sub.is_dir() and (sub / CONFIG_NAME).is_file() and is_valid_adapter_name(sub.name)):
+                continue
+            escape = outside_roots(sub, [root])
+            if escape is not None:
+                _warn(f"skipping adapter {sub.name!r}: {escape} (the --adapters directory)")
+                continue
+            found[sub.name] = sub
     for item in modules:
         name, sep, path = item.partition("=")
         if not sep or not is_valid_adapter_name(name) or not Path(path).is_absolute():
-            raise SystemExit(f"--lora-modules {item!r}: expected NAME=/absolute/path/to/adapter")
+            raise ServeArgumentError(f"--lora-modules {item!r}: expected NAME=/absolute/path/to/adapter")
+        if not (Path(path) / CONFIG_NAME).is_file():
+            raise ServeArgumentError(f"--lora-modules {item!r}: {path} has no {CONFIG_NAME}")
         found[name] = Path(path).resolve()
     return found
 
@@ -94,11 +156,21 @@ def build_app(args: argparse.Namespace) -> tuple[Any, str]:
         adapters_dir = adapters_dir or assets.adapters_dir
     else:
         model_dir, name = Path(args.model), args.served_model_name or args.model
-    model, tokenizer = load_model_and_tokenizer(model_dir)
-    adapters = static_adapters(adapters_dir, args.lora_modules)
+        if not model_dir.is_dir():
+            raise ServeArgumentError(f"--model {args.model}: not a local model directory")
+    for extra in args.allowed_adapter_root:
+        if not Path(extra).is_dir():
+            raise ServeArgumentError(f"--allowed-adapter-root {extra}: not a directory")
+    adapters = static_adapters(adapters_dir, args.lora_modules)  # before the model: fail fast
+    try:
+        model, tokenizer = load_model_and_tokenizer(model_dir)
+    except (OSError, ValueError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ServeArgumentError(f"--model {model_dir}: cannot load a causal LM from it ({reason})") from None
     if args.max_cpu_loras:
         largest = max(
-            (p.joinpath(SAFETENSORS_NAME).stat().st_size for p in adapters.values()), default=1 << 20
+            (f.stat().st_size for p in adapters.values() if (f := p / SAFETENSORS_NAME).is_file()),
+            default=1 << 20,
         )
         budget = args.max_cpu_loras * (largest + (1 << 16))
     else:
@@ -119,7 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     args = build_parser().parse_args(argv)
-    app, what = build_app(args)
+    try:
+        app, what = build_app(args)
+    except ServeArgumentError as e:
+        print(f"acelora serve: error: {e}", file=sys.stderr, flush=True)
+        return 2
     print(f"acelora engine: serving {what} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     app.state.server.engine.close()

@@ -141,6 +141,8 @@ class EngineServer(RuntimeLoraRoutes):
             return json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as e:
             return wire.error(400, f"Invalid JSON body: {e}", "BadRequestError")
+        except RecursionError:  # nesting deeper than the parser's recursion limit, under the size cap
+            return wire.error(400, "Invalid JSON body: nested too deeply.", "BadRequestError")
 
     async def parse(self, request: Request, model: type[BaseModel]) -> Any:
         """The body validated as ``model``, or the 400/413 :class:`Response` to send instead."""
@@ -191,12 +193,21 @@ class EngineServer(RuntimeLoraRoutes):
             stop=req.stop_list(),
         )
 
-    def prefetch_hint(self, hint: str | list[str] | bool | None) -> None:
-        """Start loading the adapters named by a ``lora_prefetch`` hint (unknown names are ignored)."""
+    def prefetch_hint(self, hint: Any) -> None:
+        """Start loading the registered adapters a ``lora_prefetch`` hint names; ignore anything else.
+
+        Only names already registered count (never paths, never names a resolver would look up);
+        unknown names, other types and disabled adapters are ignored silently, as vLLM ignores
+        fields it does not know.
+        """
         names = [hint] if isinstance(hint, str) else hint if isinstance(hint, list) else []
+        known = set(self.engine.adapter_names()) - set(self.engine.failed_adapters())
         for n in names[:16]:
-            if is_valid_adapter_name(n) and self.engine.adapter_path(n) is not None:
-                self.engine.prefetch(n)
+            if isinstance(n, str) and n in known:
+                try:
+                    self.engine.prefetch(n)
+                except Exception:  # a hint is best effort: the request itself goes on
+                    continue
 
     def _refresh_lora_info(self) -> None:
         names = ",".join(sorted(n for n, c in self._inflight.items() if c > 0))

@@ -88,7 +88,7 @@ class _Sampling(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    lora_prefetch: str | list[str] | bool | None = None  # acelora hint: adapters to pre-load
+    lora_prefetch: Any = None  # acelora hint: registered adapters to pre-load (anything else is ignored)
 
     @field_validator("stop")
     @classmethod

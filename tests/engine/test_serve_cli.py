@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ import openai
 import pytest
 from conftest import CHAT, LiveServer, make_engine
 
-from acelora_kernels.serve_cli import build_app, build_parser, static_adapters
+from acelora_kernels.serve_cli import ServeArgumentError, build_app, build_parser, main, static_adapters
 from acelora_kernels.server import create_app
 from acelora_kernels.tiny import TINY_MODEL_NAME
 
@@ -63,9 +64,48 @@ def test_model_adapters_and_pool_options(demo) -> None:
 def test_lora_modules_must_be_name_equals_absolute_path(demo) -> None:
     path = demo.adapters["med-qa-v1"]
     assert static_adapters(None, [f"doc-v1={path}"]) == {"doc-v1": path}
-    for bad in ["doc-v1", "doc-v1=relative/dir", f"../x={path}"]:
-        with pytest.raises(SystemExit):
+    for bad in ["doc-v1", "doc-v1=relative/dir", f"../x={path}", "doc-v1=/no/such/adapter"]:
+        with pytest.raises(ServeArgumentError, match="--lora-modules"):
             static_adapters(None, [bad])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--adapters", "/nonexistent"],
+        ["--model", "/nonexistent/model"],
+        ["--lora-modules", "doc-v1"],
+        ["--lora-modules", "doc-v1=/nonexistent"],
+        ["--allowed-adapter-root", "/nonexistent"],
+    ],
+)
+def test_a_bad_path_argument_exits_2_with_one_line_not_a_traceback(argv, tmp_path) -> None:
+    argv = [a.replace("/nonexistent", str(tmp_path / "nope")) for a in argv]
+    out = subprocess.run([sys.executable, "-m", "acelora_kernels.server", *argv], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2
+    errors = [line for line in out.stderr.splitlines() if line.startswith("acelora serve: error:")]
+    assert len(errors) == 1 and argv[0] in errors[0] and "Traceback" not in out.stderr
+
+
+def test_model_directory_that_is_not_a_model_exits_2(tmp_path, capsys) -> None:
+    assert main(["--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("acelora serve: error: --model")
+
+
+def test_adapters_with_files_symlinked_out_of_the_directory_are_skipped(demo, tmp_path, capsys) -> None:
+    root, outside = tmp_path / "adapters", tmp_path / "outside"
+    shutil.copytree(demo.adapters["med-qa-v1"], outside / "secret")
+    shutil.copytree(demo.adapters["med-qa-v1"], root / "ok-v1")
+    for name, file in [("st-link", "adapter_model.safetensors"), ("cfg-link", "adapter_config.json")]:
+        shutil.copytree(demo.adapters["med-qa-v1"], root / name)
+        (root / name / file).unlink()
+        (root / name / file).symlink_to(outside / "secret" / file)
+    (root / "dir-link").symlink_to(outside / "secret")
+    assert static_adapters(root, []) == {"ok-v1": root.resolve() / "ok-v1"}
+    warnings = capsys.readouterr().err
+    assert all(f"skipping adapter '{n}'" in warnings for n in ("st-link", "cfg-link", "dir-link"))
 
 
 def test_lora_prefetch_hint_loads_an_adapter_without_using_it(demo) -> None:
@@ -92,3 +132,18 @@ def test_completions_accept_token_id_prompts_and_reject_out_of_vocabulary_ids(se
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens <= 3
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=TINY_MODEL_NAME, prompt=[1, 99999], max_tokens=3)
+
+
+def test_lora_prefetch_only_loads_registered_names_and_ignores_anything_else(demo, tmp_path) -> None:
+    eng = make_engine(demo)
+    live = LiveServer(create_app(eng, TINY_MODEL_NAME))
+    try:
+        url = live.url + "/v1/chat/completions"
+        other = str(demo.adapters["brand-voice-v1"])
+        for hint in [other, [other, "../brand-voice-v1", "no-such-adapter"], {"name": other}, [1, None], 7]:
+            body = {"model": TINY_MODEL_NAME, "messages": CHAT, "max_tokens": 1, "lora_prefetch": hint}
+            assert httpx.post(url, json=body, timeout=60).status_code == 200  # ignored, not a 400
+        assert not any(n.startswith("/") or ".." in n for n in eng.pool.resident())
+    finally:
+        live.close()
+        eng.close()

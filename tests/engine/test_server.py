@@ -215,3 +215,11 @@ def test_health_and_metrics_report_lora_requests_like_vllm(server) -> None:
     )
     newest = max(series, key=lambda s: float(s.rsplit(" ", 1)[1]))
     assert 'running_lora_adapters=""' in newest  # nothing in flight now
+
+
+def test_deeply_nested_json_under_the_size_cap_is_a_400_not_a_500(server) -> None:
+    deep = b'{"model": ' + b"[" * 30000 + b"]" * 30000 + b"}"  # 60 KB, under the 64 KB cap
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/load_lora_adapter"):
+        r = httpx.post(server.url + path, content=deep, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError", (path, r.text)
+    assert httpx.get(server.url + "/health").status_code == 200
