@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
@@ -29,8 +28,8 @@ from starlette.routing import Route
 from acelora import jsonbody
 from acelora.errors import AceloraError, InvalidRequest
 from acelora.fleet import ModelServer
-from acelora.gateway_auth import ADMIN_KEY, GatewayAuth
-from acelora.gateway_proxy import Proxy, cache_salt, error_response, pick_upstream
+from acelora.gateway_auth import ADMIN_KEY, GatewayAuth, downgrade_denied_body, is_downgrade, may_downgrade
+from acelora.gateway_proxy import Health, Outcome, Proxy, error_response, relay
 from acelora.middleware import (
     DECISION_KEY,
     DEFAULT_MAX_BODY,
@@ -45,7 +44,8 @@ from acelora.middleware import (
 from acelora.skill import OVERRIDE_HEADER, TENANT_HEADER, Decision, Mode, MultiLoRA, RouteRequest
 
 log = logging.getLogger("acelora.gateway")
-_ENV_NAME = re.compile(r"ACELORA_[A-Z0-9_]{1,64}")
+_FLEET_DENIED = ("Fleet routes need the admin key: configure one ([gateway] admin_key_env) and send it as "
+                 "'Authorization: Bearer <key>'.")
 
 
 class _Strict(BaseModel):
@@ -83,7 +83,8 @@ class ExecuteRequest(_Strict):
 
 
 class ServerIn(_Strict):
-    """Body of ``POST /v1/fleet/servers``; ``api_key_env`` must name an ``ACELORA_*`` variable.
+    """Body of ``POST /v1/fleet/servers``. No ``api_key_env``: servers that need a key are declared in the
+    config file (a caller must not make the gateway send an env secret to an endpoint of its choosing).
 
     >>> ServerIn(name="vllm-2", endpoint="http://gpu2:8000").kind
     'vllm'
@@ -93,7 +94,6 @@ class ServerIn(_Strict):
     endpoint: str
     kind: Literal["vllm", "sglang", "openai"] = "vllm"
     base_model: str | None = None
-    api_key_env: str | None = None
     capacity: int = Field(8, ge=1)
     max_lora_rank: int | None = Field(None, ge=1)
     base_model_bytes: int | None = Field(None, ge=0)
@@ -135,7 +135,7 @@ async def _json_body(request: Request, limit: int) -> Any:
         chunks.append(chunk)
     try:
         return jsonbody.loads(b"".join(chunks))
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
         raise InvalidRequest("Request body is not valid JSON.") from None
 
 
@@ -156,6 +156,10 @@ class Gateway:
         self._client = http_client
         self._own_client = http_client is None
         self.created = int(time.time())
+        self.health = Health()
+
+    def proxy_for(self) -> Proxy:
+        return Proxy(self.skill, self.client, self.timeout, self.health, self.load, self.upstream, self.salt_secret)
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -173,11 +177,6 @@ class Gateway:
             self.upstream.resident.add(decision.adapter)
         return decision
 
-    def _salted(self, server: ModelServer, body: dict[str, Any], tenant: str | None) -> dict[str, Any]:
-        if server.kind == "vllm" and tenant is not None:
-            body = {**body, "cache_salt": cache_salt(self.salt_secret, tenant)}
-        return body
-
     # -- OpenAI routes ------------------------------------------------------------------------
     async def proxy(self, request: Request) -> Response:
         body = await _json_body(request, self.max_body_bytes)
@@ -189,12 +188,13 @@ class Gateway:
                 return _bad_request(f"'{field}' must be {name}.", field)
         scope = request.scope
         decision: Decision | None = scope.get(DECISION_KEY)
-        server = pick_upstream(self.skill, decision, body.get("model"), self.upstream)
-        if server is None:
-            return error_response(503, "No upstream server is configured for this model.", "ServiceUnavailableError")
-        scope[SERVED_BY_KEY] = server.name
         suffix = scope["path"].removeprefix("/v1/")
-        return await Proxy(self.client, self.timeout).forward(server, suffix, self._salted(server, body, _tenant(scope)))
+        outcome = await self.proxy_for().send(decision, body, suffix, _tenant(scope), stream=True)
+        _note(scope, decision, outcome)
+        if outcome.error is not None:
+            return outcome.error
+        assert outcome.response is not None
+        return relay(outcome.response)
 
     async def execute(self, request: Request) -> Response:
         t0 = time.perf_counter_ns()
@@ -207,6 +207,8 @@ class Gateway:
         if ex.target.model is not None:
             routing["model"] = ex.target.model
         override = ex.skill_overrides.multi_lora.mode if ex.skill_overrides and ex.skill_overrides.multi_lora else None
+        if override is not None and is_downgrade(Mode(override)) and not may_downgrade(self.skill, request.scope):
+            return Response(downgrade_denied_body(), 403, media_type="application/json")
         headers = {OVERRIDE_HEADER: f"multi_lora={override}"} if override else request.headers
         req = RouteRequest.from_body(routing, headers, tenant=tenant)
         decision = self.skill.route(req)
@@ -222,12 +224,10 @@ class Gateway:
                             headers={k.decode(): v.decode("latin-1") for k, v in extra})
         # Off/shadow send the body as the client meant it; acelora's own fields never leave the gateway.
         body = decision.apply(routing) if decision.mode is Mode.PROD else Decision(Mode.PROD).apply(routing)
-        server = pick_upstream(self.skill, decision, body.get("model"), self.upstream)
-        if server is None:
-            return error_response(503, "No upstream server is configured for this model.", "ServiceUnavailableError")
-        status, output = await Proxy(self.client, self.timeout).call_json(
-            server, "chat/completions", self._salted(server, body, tenant))
-        event = self.skill.record(decision, served_by=server.name, overhead_ms=overhead_ms)
+        outcome, status, output = await self.proxy_for().call_json(decision, body, "chat/completions", tenant)
+        decision = outcome.decision or decision
+        served_by = outcome.server.name if outcome.server is not None else None
+        event = self.skill.record(decision, served_by=served_by, overhead_ms=overhead_ms)
         hdrs = {k.decode(): v.decode("latin-1") for k, v in event_headers(event)}
         if status != 200:
             return JSONResponse(output, status, headers=hdrs)
@@ -250,13 +250,15 @@ class Gateway:
     # -- fleet admin --------------------------------------------------------------------------
     async def add_server(self, request: Request) -> Response:
         if not request.scope.get(ADMIN_KEY):
-            return error_response(403, "Fleet routes need the admin key.", "PermissionDeniedError")
+            return error_response(403, _FLEET_DENIED, "PermissionDeniedError")
+        data = await _json_body(request, self.max_body_bytes)
+        if isinstance(data, dict) and "api_key_env" in data:
+            return _bad_request("api_key_env is not accepted here: declare servers that need a key in the config "
+                                "file ([[servers]] api_key_env).", "api_key_env")
         try:
-            spec = ServerIn.model_validate(await _json_body(request, self.max_body_bytes))
+            spec = ServerIn.model_validate(data)
         except ValidationError as e:
             return _bad_request(_validation_message(e))
-        if spec.api_key_env is not None and not _ENV_NAME.fullmatch(spec.api_key_env):
-            return _bad_request("api_key_env must name an ACELORA_* environment variable.", "api_key_env")
         if self.skill.fleet.get(spec.name) is not None:
             return error_response(409, f"A server named {spec.name!r} is already registered.", "ConflictError",
                                   "name")
@@ -272,12 +274,12 @@ class Gateway:
 
     async def list_fleet(self, request: Request) -> Response:
         if not request.scope.get(ADMIN_KEY):
-            return error_response(403, "Fleet routes need the admin key.", "PermissionDeniedError")
+            return error_response(403, _FLEET_DENIED, "PermissionDeniedError")
         return JSONResponse({"object": "list", "data": [s.public_dict() for s in self.skill.fleet.servers]})
 
     async def remove_server(self, request: Request) -> Response:
         if not request.scope.get(ADMIN_KEY):
-            return error_response(403, "Fleet routes need the admin key.", "PermissionDeniedError")
+            return error_response(403, _FLEET_DENIED, "PermissionDeniedError")
         name = request.path_params["name"]
         if self.skill.fleet.remove(name) is None:
             return error_response(404, f"No server named {name[:128]!r}.", "NotFoundError", "name")
@@ -311,6 +313,16 @@ class Gateway:
                 self._client = None
 
 
+def _note(scope: dict[str, Any], routed: Decision | None, outcome: Outcome) -> None:
+    """Tell the middleware what finally happened (failover, reload, fallback): its trace headers read the scope."""
+    if routed is not None and outcome.decision is not None and outcome.decision is not routed:
+        scope[DECISION_KEY] = outcome.decision
+        if isinstance(scope.get("state"), dict):
+            scope["state"]["acelora"] = outcome.decision
+    if outcome.server is not None:
+        scope[SERVED_BY_KEY] = outcome.server.name
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "APIError")
@@ -321,6 +333,11 @@ async def _acelora_error(request: Request, exc: Exception) -> Response:
     if isinstance(exc, BodyTooLarge):
         return error_response(413, str(exc), "BadRequestError")
     return _bad_request(str(exc))
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "The gateway failed to handle this request.", "InternalServerError")
 
 
 def create_gateway(skill: MultiLoRA, *, upstream: str | ModelServer | None = None, upstream_kind: str = "vllm",
@@ -365,7 +382,8 @@ def create_gateway(skill: MultiLoRA, *, upstream: str | ModelServer | None = Non
                    default_server=upstream),
     ]
     app = Starlette(routes=routes, middleware=middleware, lifespan=gw.lifespan,
-                    exception_handlers={HTTPException: _http_error, AceloraError: _acelora_error})
+                    exception_handlers={HTTPException: _http_error, AceloraError: _acelora_error,
+                                        Exception: _internal_error})
     app.state.gateway = gw
     return app
 

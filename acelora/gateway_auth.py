@@ -1,20 +1,25 @@
 """Bearer-key auth of the gateway (pure ASGI): tenant keys for OpenAI routes, the admin key for the fleet.
 
-With no keys configured the gateway is open like vLLM without ``--api-key`` and the tenant comes from
-``x-ace-tenant-id``. With tenant keys, the tenant comes only from the key: a client-sent
-``x-ace-tenant-id`` is removed before anything downstream can read it. Keys are never echoed.
+With no keys configured the OpenAI routes are open like vLLM without ``--api-key`` and the tenant comes
+from ``x-ace-tenant-id``; the fleet routes stay closed until an admin key is configured. With tenant keys,
+the tenant comes only from the key: a client-sent ``x-ace-tenant-id`` is removed before anything downstream
+can read it, and only the admin key may turn the skill ``off`` or to ``shadow`` for a request (either would
+send the body upstream untouched, another tenant's adapter included). Keys are never echoed.
 """
 
 from __future__ import annotations
 
 import hmac
 
+from acelora.errors import InvalidRequest
 from acelora.middleware import TENANT_KEY, Receive, Scope, Send, openai_error, send_json
-from acelora.skill import TENANT_HEADER, MultiLoRA
+from acelora.skill import OVERRIDE_HEADER, TENANT_HEADER, Mode, MultiLoRA, parse_override
 
 ADMIN_PREFIX = "/v1/fleet"
 ADMIN_KEY = "acelora.admin"
 _TENANT = TENANT_HEADER.encode()
+_OVERRIDE = OVERRIDE_HEADER.encode()
+DOWNGRADE_DENIED = "Overriding multi_lora to 'off' or 'shadow' needs the admin key; tenant keys may only ask for 'prod'."
 _AUTH_HEADERS = [(b"www-authenticate", b"Bearer")]
 
 
@@ -47,6 +52,40 @@ def tenant_for_key(keys: dict[str, str], token: str) -> str | None:
     return found
 
 
+def is_downgrade(mode: Mode | None) -> bool:
+    """True for an override that would let a request bypass routing (``off``/``shadow`` pass bodies untouched).
+
+    >>> is_downgrade(Mode.SHADOW), is_downgrade(Mode.PROD), is_downgrade(None)
+    (True, False, False)
+    """
+    return mode is Mode.OFF or mode is Mode.SHADOW
+
+
+def may_downgrade(skill: MultiLoRA, scope: Scope) -> bool:
+    """Whether this caller may override the mode to ``off``/``shadow``: anyone on a gateway without tenant
+    keys (the tenant is self-declared there anyway), only the admin once tenant keys are configured.
+
+    >>> may_downgrade(MultiLoRA(api_keys={"sk-1": "t"}), {"acelora.admin": False})
+    False
+    """
+    return not skill.api_keys or bool(scope.get(ADMIN_KEY))
+
+
+def downgrade_denied_body() -> bytes:
+    """The 403 answered to a tenant key that asks for ``multi_lora=off`` or ``shadow``."""
+    return openai_error(403, DOWNGRADE_DENIED, "PermissionDeniedError", OVERRIDE_HEADER)
+
+
+def _header_downgrades(scope: Scope) -> bool:
+    for k, v in scope["headers"]:
+        if k == _OVERRIDE:
+            try:
+                return is_downgrade(parse_override(v.decode("latin-1")))
+            except InvalidRequest:  # a malformed header is the router's 400, not ours
+                return False
+    return False
+
+
 class GatewayAuth:
     """Checks bearer keys on ``/v1/*``; sets ``scope["acelora.tenant"]`` and ``scope["acelora.admin"]``.
 
@@ -64,7 +103,9 @@ class GatewayAuth:
             return
         keys, admin = self.skill.api_keys, self.skill.admin_key
         if not keys and not admin:
-            scope[ADMIN_KEY] = True  # an open gateway, like vLLM without --api-key
+            # OpenAI routes are open, like vLLM without --api-key; the fleet is not: adding a server makes the
+            # gateway send requests (and keys) wherever the caller says.
+            scope[ADMIN_KEY] = False
             await self.app(scope, receive, send)
             return
         token = bearer_token(scope)
@@ -80,6 +121,9 @@ class GatewayAuth:
                 return
         elif keys and not is_admin and tenant is None:
             await _unauthorized(send)
+            return
+        if keys and not is_admin and _header_downgrades(scope):
+            await send_json(send, 403, downgrade_denied_body())
             return
         if keys:
             scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k != _TENANT])
