@@ -203,11 +203,11 @@ class MultiLoRAResponder:
             return
         try:
             payload = jsonbody.loads(body)
-        except ValueError:  # not JSON whatever the content-type says: the app answers it
-            payload = None
-        if not isinstance(payload, dict):
-            self.body = body
-            await mw.app(self.scope, self.receive_body, send)
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
+            await send_json(send, 400, openai_error(400, "Request body is not valid JSON.", "BadRequestError"))
+            return
+        if not isinstance(payload, dict):  # every OpenAI route this middleware routes takes a JSON object
+            await send_json(send, 400, openai_error(400, "Request body must be a JSON object.", "BadRequestError"))
             return
         tenant = self.scope.get(TENANT_KEY)
         hdrs = {}

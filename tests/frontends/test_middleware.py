@@ -91,16 +91,29 @@ async def test_forged_inbound_trace_headers_never_reach_the_app(make_skill):
             assert not any(k.startswith("x-ace-trace") for k in seen) and seen["x-keep"] == "yes"
 
 
-async def test_other_paths_methods_and_non_json_bodies_pass_through_unchanged(make_skill):
+async def test_other_paths_and_methods_pass_through_unchanged(make_skill):
     skill = make_skill("prod", fleet=False)
     async with client_for(echo_app(skill)) as c:
         r = await c.post("/other", json={"model": "code-python-v2"})
         assert json.loads(r.json()["raw"]) == {"model": "code-python-v2"} and r.json()["action"] is None
         assert (await c.get("/other")).json()["action"] is None
-        r = await c.post("/v1/chat/completions", content=b"{oops", headers={"content-type": "application/json"})
+        r = await c.post("/other", content=b"{oops")
         assert r.json()["raw"] == "{oops" and r.json()["action"] is None
-        r = await c.post("/v1/chat/completions", content=b"[1]")
-        assert r.json()["raw"] == "[1]" and "x-ace-trace-multi-lora" not in r.headers
+    assert len(skill.traces) == 0
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b"{oops", "Request body is not valid JSON."),
+    (b'{"a":' + b"[" * 50_000 + b"]" * 50_000 + b"}", "Request body is not valid JSON."),  # deeper than any parser
+    (b"[1]", "Request body must be a JSON object."),
+    (b'"text"', "Request body must be a JSON object."),
+])
+async def test_unparsable_or_non_object_bodies_on_routed_paths_are_a_400_envelope(make_skill, content, message):
+    skill = make_skill("prod", fleet=False)
+    async with client_for(echo_app(skill)) as c:
+        r = await c.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": message, "type": "BadRequestError", "param": None, "code": 400}
     assert len(skill.traces) == 0
 
 
