@@ -17,7 +17,7 @@ import httpx
 from acelora import jsonbody
 from acelora.errors import InvalidRequest
 from acelora.middleware import not_found_body, openai_error, requested_name
-from acelora.skill import OVERRIDE_HEADER, Decision, MultiLoRA, RouteRequest
+from acelora.skill import OVERRIDE_HEADER, Decision, Mode, MultiLoRA, RouteRequest
 from acelora.trace import SERVED_BY_HEADER, TRACE_HEADER, encode_header
 
 DEFAULT_PATHS = ("chat/completions", "completions")
@@ -33,11 +33,25 @@ class _Plan:
     request: Any = None
     response: Any = None
     overhead_ms: float = 0.0
+    served_by: str | None = None  # the fleet server it was sent to; None when it went to the client's base_url
 
 
 def _lib(obj: object) -> Any:
     """The HTTP library (``httpx`` or ``httpx2``) that ``obj`` belongs to."""
     return sys.modules[type(obj).__module__.partition(".")[0]]
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _origin(url: Any) -> tuple[str, str, int | None]:
+    """Scheme, host and port (default ports filled in): a key is only for the origin it was given for."""
+    return url.scheme, url.host, url.port or _DEFAULT_PORTS.get(url.scheme)
+
+
+def _bad_body(request: Any, message: str) -> Any:
+    return _lib(request).Response(400, headers={"content-type": "application/json"}, request=request,
+                                  content=openai_error(400, message, "BadRequestError"))
 
 
 class _Router:
@@ -60,11 +74,15 @@ class _Router:
         if not path.startswith(self.base_path) or path[len(self.base_path):] not in self.paths:
             return None
         try:
-            payload = jsonbody.loads(request.content)
-        except Exception:  # a streamed or non-JSON body is not ours to route
+            content = request.content
+        except Exception:  # a streamed body (not read yet) is not ours to route
             return None
+        try:
+            payload = jsonbody.loads(content)
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
+            return _bad_body(request, "Request body is not valid JSON.")
         if not isinstance(payload, dict):
-            return None
+            return _bad_body(request, "Request body must be a JSON object.")
         try:
             req = RouteRequest.from_body(payload, request.headers, tenant=self.tenant)
         except InvalidRequest as e:
@@ -84,8 +102,8 @@ class _Router:
             return plan
         out = decision.apply(payload)
         server = decision.server
-        if out is payload and server is None:
-            plan.request = request
+        if decision.mode is not Mode.PROD or (out is payload and server is None):
+            plan.request = request  # off/shadow: untouched, to the client's own base_url
         else:
             headers = request.headers.copy()
             for name in ("host", "content-length"):
@@ -93,10 +111,11 @@ class _Router:
             url = request.url
             if server is not None:
                 url = lib.URL(f"{server.openai_base_url}/{suffix}").copy_with(query=request.url.query or None)
+                plan.served_by = server.name
                 key = server.api_key
                 if key:
                     headers["authorization"] = f"Bearer {key}"
-                elif url.host != request.url.host:
+                elif _origin(url) != _origin(request.url):
                     headers.pop("authorization", None)  # the client's key was meant for its own base_url
             content = request.content if out is payload else jsonbody.dumps(out)
             plan.request = lib.Request(request.method, url, headers=headers, content=content,
@@ -105,8 +124,7 @@ class _Router:
         return plan
 
     def finish(self, plan: _Plan, response: Any) -> Any:
-        server = plan.decision.server
-        served_by = server.name if server is not None else (plan.request or response.request).url.host
+        served_by = plan.served_by or (plan.request or response.request).url.host
         event = self.skill.record(plan.decision, served_by=served_by, overhead_ms=plan.overhead_ms)
         if event is not None:
             response.headers[TRACE_HEADER] = encode_header(event)
@@ -219,8 +237,9 @@ def wrap_openai(client: C, skill: MultiLoRA, tenant: str | None = None, *,
     >>> client = wrap_openai(openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x"), skill)  # doctest: +SKIP
     >>> client.chat.completions.create(model="base", messages=m, extra_body={"lora_name": "code-python-v2"})  # doctest: +SKIP
 
-    With a fleet, routed calls go to the chosen server (its API key replaces the client's when configured);
-    otherwise to the client's own ``base_url``. The original client is left as it was; both share the
+    In prod with a fleet, routed calls go to the chosen server (its API key replaces the client's when
+    configured; the client's own key is only kept for a server of the same scheme, host and port); otherwise,
+    and always in off/shadow mode, to the client's own ``base_url`` untouched. The original client is left as it was; both share the
     connection pool, so closing either closes it.
     """
     http_client = getattr(client, "_client", None)
