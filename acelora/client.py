@@ -163,7 +163,8 @@ class AceloraTransport(httpx.BaseTransport):
             if self._load_client is None:
                 self._load_client = httpx.Client(timeout=httpx.Timeout(router.load_timeout_s, connect=5.0))
             t = _perf_ns()
-            decision = ensure_adapter_sync(router.skill, decision, self._load_client, base_url=router.base_url)
+            decision = ensure_adapter_sync(router.skill, decision, self._load_client, base_url=router.base_url,
+                                           timeout_s=router.load_timeout_s)
             swap_ns = _perf_ns() - t
         plan = router.build(request, req, payload, suffix, decision, t0, swap_ns)
         if plan.response is not None:
@@ -206,7 +207,8 @@ class AsyncAceloraTransport(httpx.AsyncBaseTransport):
             if self._load_client is None:
                 self._load_client = httpx.AsyncClient(timeout=httpx.Timeout(router.load_timeout_s, connect=5.0))
             t = _perf_ns()
-            decision = await ensure_adapter(router.skill, decision, self._load_client, base_url=router.base_url)
+            decision = await ensure_adapter(router.skill, decision, self._load_client, base_url=router.base_url,
+                                            timeout_s=router.load_timeout_s)
             swap_ns = _perf_ns() - t
         plan = router.build(request, req, payload, suffix, decision, t0, swap_ns)
         if plan.response is not None:

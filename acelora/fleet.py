@@ -6,6 +6,7 @@ import os
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import xxhash
 
@@ -110,6 +111,43 @@ class Fleet:
 
     def base_models(self) -> set[str]:
         return {s.base_model for s in self._servers.values() if s.base_model}
+
+    def touch(self) -> None:
+        """Say that servers' attributes changed (base model, max rank, health…): cached placements are stale."""
+        with self._lock:
+            self.version += 1
+
+    async def probe(self, client: Any = None, timeout_s: float = 10.0) -> dict[str, str | None]:
+        """Ask every server what it serves and supports (``acelora.loading.probe_server``), concurrently.
+        Returns ``{name: None}`` for each server probed and ``{name: "why"}`` for each that failed.
+
+        >>> errors = await fleet.probe()  # doctest: +SKIP
+        """
+        import asyncio
+
+        import httpx
+
+        from acelora.loading import probe_server
+
+        async def one(server: ModelServer, http: httpx.AsyncClient) -> str | None:
+            try:
+                await probe_server(server, http, timeout_s=timeout_s)
+            except (httpx.HTTPError, ValueError, AttributeError) as e:
+                return f"{type(e).__name__}: {e}"
+            return None
+
+        async def run(http: httpx.AsyncClient) -> dict[str, str | None]:
+            servers = self.servers
+            results = await asyncio.gather(*(one(s, http) for s in servers))
+            return {s.name: r for s, r in zip(servers, results, strict=True)}
+
+        try:
+            if client is not None:
+                return await run(client)
+            async with httpx.AsyncClient() as http:
+                return await run(http)
+        finally:
+            self.touch()
 
     def mark_resident(self, server: str, adapter: str, resident: bool = True) -> None:
         s = self._servers.get(server)

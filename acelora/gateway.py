@@ -8,7 +8,6 @@ Routes: ``POST /v1/chat/completions`` and ``/v1/completions`` (proxied, streamin
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import os
@@ -41,7 +40,7 @@ from acelora.middleware import (
     requested_name,
     trace_headers,
 )
-from acelora.skill import OVERRIDE_HEADER, TENANT_HEADER, Decision, Mode, MultiLoRA, RouteRequest
+from acelora.skill import TENANT_HEADER, Decision, Mode, MultiLoRA, RouteRequest
 
 log = logging.getLogger("acelora.gateway")
 _FLEET_DENIED = ("Fleet routes need the admin key: configure one ([gateway] admin_key_env) and send it as "
@@ -209,8 +208,9 @@ class Gateway:
         override = ex.skill_overrides.multi_lora.mode if ex.skill_overrides and ex.skill_overrides.multi_lora else None
         if override is not None and is_downgrade(Mode(override)) and not may_downgrade(self.skill, request.scope):
             return Response(downgrade_denied_body(), 403, media_type="application/json")
-        headers = {OVERRIDE_HEADER: f"multi_lora={override}"} if override else request.headers
-        req = RouteRequest.from_body(routing, headers, tenant=tenant)
+        req = RouteRequest.from_body(routing, request.headers, tenant=tenant)
+        if override is not None:  # the body's skill_overrides win over the header
+            req.mode = Mode(override)
         decision = self.skill.route(req)
         swap_ns = 0
         if decision.needs_load:
@@ -296,15 +296,9 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        from acelora.loading import probe_server
-
-        async def probe(server: ModelServer) -> None:
-            try:
-                await probe_server(server, self.client, timeout_s=10.0)
-            except (httpx.HTTPError, ValueError, AttributeError) as e:
-                log.warning("could not probe %s at %s: %s", server.name, server.endpoint, type(e).__name__)
-
-        await asyncio.gather(*(probe(s) for s in self.skill.fleet.servers))
+        for name, error in (await self.skill.fleet.probe(self.client)).items():
+            if error is not None:
+                log.warning("could not probe %s: %s", name, error.split(":")[0])
         try:
             yield
         finally:

@@ -144,8 +144,9 @@ async def _load(kind: str, endpoint: str, decision: Decision, client: httpx.Asyn
 
 
 async def ensure_adapter(skill: MultiLoRA, decision: Decision, client: httpx.AsyncClient,
-                         base_url: str | None = None) -> Decision:
+                         base_url: str | None = None, timeout_s: float | None = None) -> Decision:
     """Make the decision's adapter resident on its server (measured into ``swap_ms``), or fall back.
+    ``timeout_s`` bounds the load call (default: the skill's ``load_timeout_s``).
 
     Loads of one adapter on one endpoint are single-flight: the load runs in its own task, and every
     caller waits on it through ``asyncio.shield``, so a caller that gives up (timeout, disconnect)
@@ -165,7 +166,7 @@ async def ensure_adapter(skill: MultiLoRA, decision: Decision, client: httpx.Asy
     task = flights.get(key)
     leader = task is None
     if leader:
-        task = loop.create_task(_load(kind, endpoint, decision, client, skill.load_timeout_s))
+        task = loop.create_task(_load(kind, endpoint, decision, client, timeout_s or skill.load_timeout_s))
         flights[key] = task
         task.add_done_callback(lambda _t: flights.pop(key, None))
     t0 = time.perf_counter()
@@ -176,7 +177,7 @@ async def ensure_adapter(skill: MultiLoRA, decision: Decision, client: httpx.Asy
 
 
 def ensure_adapter_sync(skill: MultiLoRA, decision: Decision, client: httpx.Client,
-                        base_url: str | None = None) -> Decision:
+                        base_url: str | None = None, timeout_s: float | None = None) -> Decision:
     """Blocking :func:`ensure_adapter` for synchronous clients (single-flight through a per-key lock)."""
     if not decision.needs_load or decision.spec is None:
         return decision
@@ -194,10 +195,11 @@ def ensure_adapter_sync(skill: MultiLoRA, decision: Decision, client: httpx.Clie
         url, body = load_request(kind, endpoint, decision.spec.name, decision.spec.path)  # type: ignore[misc]
         headers = _headers(decision.server)
         try:
-            r = client.post(url, json=body, headers=headers, timeout=skill.load_timeout_s)
+            timeout = timeout_s or skill.load_timeout_s
+            r = client.post(url, json=body, headers=headers, timeout=timeout)
             outcome = parse_load_response(kind, r.status_code, r.content)
             if outcome.runtime_disabled:
-                m = client.get(f"{endpoint}/v1/models", headers=headers, timeout=skill.load_timeout_s)
+                m = client.get(f"{endpoint}/v1/models", headers=headers, timeout=timeout)
                 outcome = _listed(outcome, m, decision.spec.name)
         except httpx.HTTPError as e:
             outcome = LoadOutcome(False, message=f"{type(e).__name__}: {e}")

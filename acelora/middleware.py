@@ -164,7 +164,7 @@ class MultiLoRAMiddleware:
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.load_timeout_s, connect=5.0))
         default = self.default_server if decision.server is None else None
-        decision = await ensure_adapter(skill, decision, self._http,
+        decision = await ensure_adapter(skill, decision, self._http, timeout_s=self.load_timeout_s,
                                         base_url=default.endpoint if default is not None else None)
         if default is not None and decision.resident and decision.adapter:
             default.resident.add(decision.adapter)

@@ -7,15 +7,23 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from acelora.errors import ConfigError, InvalidRequest
+from acelora.errors import ConfigError
 from acelora.fleet import Fleet, ModelServer, same_base
 from acelora.metrics import Metrics
 from acelora.names import adapter_hash, is_valid_adapter_name
 from acelora.registry import AdapterRegistry, AdapterSpec, compatibility
+from acelora.request import (  # noqa: F401  (re-exported: the request types' historical home)
+    _MODES,
+    ACELORA_FIELDS,
+    OVERRIDE_HEADER,
+    TENANT_HEADER,
+    Decision,
+    Mode,
+    RouteRequest,
+    parse_override,
+)
 from acelora.trace import (
     COLD_LOADED_APPLIED,
     FALLBACK,
@@ -31,160 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("acelora")
 
-OVERRIDE_HEADER = "x-ace-skill-override"
-TENANT_HEADER = "x-ace-tenant-id"
-# Fields only acelora understands; they never reach an upstream in prod mode.
-ACELORA_FIELDS = frozenset({"lora_name", "adapter_rank", "lora_prefetch", "extra_body"})
 _REJECTABLE = frozenset({"invalid_name", "unknown_adapter"})
 _perf_ns = time.perf_counter_ns
-
-
-class Mode(StrEnum):
-    """How a skill treats requests: ``off`` (untouched), ``shadow`` (check and log), ``prod`` (apply).
-
-    >>> Mode("shadow") is Mode.SHADOW
-    True
-    """
-
-    OFF = "off"
-    SHADOW = "shadow"
-    PROD = "prod"
-
-    @classmethod
-    def parse(cls, value: Mode | str) -> Mode:
-        try:
-            return value if isinstance(value, Mode) else cls(str(value).strip().lower())
-        except ValueError:
-            raise ConfigError(f"mode: {value!r} is not one of off, shadow, prod") from None
-
-
-_MODES = {m.value: m for m in Mode}
-
-
-def parse_override(header: str | None) -> Mode | None:
-    """The ``multi_lora`` mode of an ``x-ace-skill-override`` header (``multi_lora=shadow``), or None.
-
-    >>> parse_override("multi_lora=prod")
-    <Mode.PROD: 'prod'>
-    """
-    if not header:
-        return None
-    for part in header.replace(";", ",").split(","):
-        key, _, value = part.partition("=")
-        if key.strip().lower() == "multi_lora":
-            mode = _MODES.get(value.strip().lower())
-            if mode is None:
-                raise InvalidRequest(f"{OVERRIDE_HEADER}: multi_lora={value.strip()[:20]!r} is not off, shadow or prod")
-            return mode
-    return None
-
-
-@dataclass(slots=True)
-class RouteRequest:
-    """What ``route()`` needs to know about one request.
-
-    >>> RouteRequest(model="code-python-v2", tenant="tenant_dev_01").model
-    'code-python-v2'
-    """
-
-    model: str | None = None
-    lora_name: str | None = None
-    tenant: str | None = None
-    mode: Mode | str | None = None
-    adapter_rank: int | None = None
-    prefetch: bool = False
-    request_id: str | None = None
-    resident: bool | None = None
-
-    @classmethod
-    def from_body(cls, body: dict[str, Any], headers: Any = None, tenant: str | None = None,
-                  request_id: str | None = None) -> RouteRequest:
-        """Build from an OpenAI-style JSON body and headers (a mapping with lower-case keys).
-
-        Adapter order: body ``lora_name``, then ``extra_body.lora_name``, then ``model`` (route() decides
-        whether it names an adapter or ``base:adapter``). Raises InvalidRequest on a bad override header.
-        """
-        extra = body.get("extra_body")
-        extra = extra if isinstance(extra, dict) else {}
-        lora = body.get("lora_name")
-        if lora is None:
-            lora = extra.get("lora_name")
-        rank = body.get("adapter_rank")
-        if rank is None:
-            rank = extra.get("adapter_rank")
-        model = body.get("model")
-        override = headers.get(OVERRIDE_HEADER) if headers is not None else None
-        if tenant is None and headers is not None:
-            tenant = headers.get(TENANT_HEADER)
-        return cls(
-            model=model if isinstance(model, str) else None,
-            lora_name=lora if isinstance(lora, str) else (None if lora is None else repr(lora)),
-            tenant=tenant,
-            mode=parse_override(override),
-            adapter_rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
-            prefetch=bool(body.get("lora_prefetch", extra.get("lora_prefetch", False))),
-            request_id=request_id,
-        )
-
-
-@dataclass(slots=True)
-class Decision:
-    """What to do with one request; front-ends apply it with :meth:`apply` and record it with ``skill.record``.
-
-    >>> Decision(mode=Mode.OFF).apply({"model": "m"})
-    {'model': 'm'}
-    """
-
-    mode: Mode
-    action: str | None = None
-    adapter: str | None = None
-    spec: AdapterSpec | None = None
-    server: ModelServer | None = None
-    model: str | None = None
-    fallback_reason: str | None = None
-    resident: bool | None = None
-    needs_load: bool = False
-    reject: bool = False
-    tenant: str | None = None
-    request_id: str | None = None
-    prefetch: bool = False
-    swap_ms: float | None = None
-    route_ns: int = 0
-    base: str | None = None  # the base model to fall back to
-    denied: bool = False  # the adapter exists but the tenant may not use it (shown as unknown_adapter)
-
-    @property
-    def applied(self) -> bool:
-        """True when the request runs on the adapter."""
-        return self.action in (PREFETCHED_APPLIED, COLD_LOADED_APPLIED)
-
-    def apply(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The body to send upstream. Off/shadow: ``body`` itself. Prod: a copy with ``model`` rewritten and
-        acelora-only fields removed (other ``extra_body`` keys are merged as the OpenAI SDK would)."""
-        if self.mode is not Mode.PROD:
-            if self.denied and self.model is not None:  # another tenant's adapter never runs, even in shadow
-                return {**body, "model": self.model}
-            return body
-        out = {k: v for k, v in body.items() if k not in ACELORA_FIELDS}
-        extra = body.get("extra_body")
-        if isinstance(extra, dict):
-            for k, v in extra.items():
-                if k not in ACELORA_FIELDS:
-                    out.setdefault(k, v)
-        if self.model is not None:
-            out["model"] = self.model
-        return out
-
-    def fall_back(self, reason: str) -> Decision:
-        """This decision turned into a base-model fallback (e.g. ``load_failed`` after a failed load)."""
-        prod = self.mode is Mode.PROD
-        reject = prod and self.base is None  # no known base to send it to: refuse rather than guess
-        return Decision(
-            mode=self.mode, action=(REJECTED if reject else FALLBACK) if prod else WOULD_LOAD,
-            adapter=self.adapter, spec=self.spec, server=self.server, model=self.base if prod else None,
-            fallback_reason=reason, resident=False, reject=reject, tenant=self.tenant,
-            request_id=self.request_id, route_ns=self.route_ns, base=self.base,
-        )
 
 
 def _mix(x: int) -> int:
@@ -293,9 +149,9 @@ class MultiLoRA:
         else:
             action = PREFETCHED_APPLIED if resident else COLD_LOADED_APPLIED
             up_model = f"{base}:{name}" if kind == "sglang" else name
-        return Decision(mode, action, name, spec, server, up_model, None, resident,
-                        mode is Mode.PROD and not resident, False, req.tenant, req.request_id, req.prefetch,
-                        None, _perf_ns() - t0, base)
+        return Decision(mode, action, name, spec, server, model=up_model, resident=resident,
+                        needs_load=mode is Mode.PROD and not resident, tenant=req.tenant,
+                        request_id=req.request_id, route_ns=_perf_ns() - t0, base=base)
 
     def _bases(self) -> frozenset[str]:
         version = (self.fleet.version, self.base_model)
@@ -388,9 +244,10 @@ class MultiLoRA:
         reject = action == REJECTED or (enforce and base is None and req.model is not None
                                         and self._selects_adapter(req.model))
         safe_name = None if reason == "invalid_name" else name
-        return Decision(mode, REJECTED if reject else action, safe_name, spec, server, base if enforce else None,
-                        reason, False if spec else None, False, reject, req.tenant, req.request_id, False, None,
-                        _perf_ns() - t0, base, denied)
+        return Decision(mode, REJECTED if reject else action, safe_name, spec, server,
+                        model=base if enforce else None, fallback_reason=reason, resident=False if spec else None,
+                        reject=reject, tenant=req.tenant, request_id=req.request_id, route_ns=_perf_ns() - t0,
+                        base=base, denied=denied)
 
     def _selects_adapter(self, model: str) -> bool:
         """True when ``model`` names a registered adapter, directly or as ``base:adapter``."""

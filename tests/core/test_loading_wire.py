@@ -179,3 +179,22 @@ def test_a_caller_that_gives_up_does_not_cancel_the_load_others_wait_for():
 
     d = asyncio.run(main())
     assert d.applied and d.resident and "code-python-v2" in server.resident
+
+
+def test_fleet_probe_updates_every_server_and_invalidates_cached_placements():
+    skill, server = skill_for("vllm")
+    server.max_lora_rank = 4  # too small for the rank-8 adapter
+    assert skill.route(RouteRequest(model="code-python-v2")).fallback_reason == "unsupported_by_engine"
+    bad = ModelServer(name="down", endpoint="http://down:1", kind="vllm", base_model=BASE)
+    skill.fleet.add(bad)
+
+    def handler(request):
+        if request.url.host == "down":
+            raise httpx.ConnectError("refused", request=request)
+        return replay("sglang__models_with_adapters", "sglang__server_info", "vllm__load_runtime_disabled")(request)
+
+    server.kind = "sglang"  # the probe reads SGLang's /server_info, which reports max_lora_rank 16
+    errors = asyncio.run(skill.fleet.probe(httpx.AsyncClient(transport=httpx.MockTransport(handler))))
+    assert errors["up"] is None and errors["down"].startswith("ConnectError")
+    assert server.max_lora_rank == 16
+    assert skill.route(RouteRequest(model="code-python-v2")).applied  # the cached "unsupported" is gone
