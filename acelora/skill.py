@@ -149,9 +149,9 @@ class MultiLoRA:
         else:
             action = PREFETCHED_APPLIED if resident else COLD_LOADED_APPLIED
             up_model = f"{base}:{name}" if kind == "sglang" else name
-        return Decision(mode, action, name, spec, server, model=up_model, resident=resident,
-                        needs_load=mode is Mode.PROD and not resident, tenant=req.tenant,
-                        request_id=req.request_id, route_ns=_perf_ns() - t0, base=base)
+        # positional on the hot path: keyword arguments cost 0.2 µs per Decision (fields in declaration order)
+        return Decision(mode, action, name, spec, server, up_model, None, resident, mode is Mode.PROD and not resident,
+                        False, req.tenant, req.request_id, None, _perf_ns() - t0, base)
 
     def _bases(self) -> frozenset[str]:
         version = (self.fleet.version, self.base_model)
@@ -244,10 +244,9 @@ class MultiLoRA:
         reject = action == REJECTED or (enforce and base is None and req.model is not None
                                         and self._selects_adapter(req.model))
         safe_name = None if reason == "invalid_name" else name
-        return Decision(mode, REJECTED if reject else action, safe_name, spec, server,
-                        model=base if enforce else None, fallback_reason=reason, resident=False if spec else None,
-                        reject=reject, tenant=req.tenant, request_id=req.request_id, route_ns=_perf_ns() - t0,
-                        base=base, denied=denied)
+        return Decision(mode, REJECTED if reject else action, safe_name, spec, server, base if enforce else None,
+                        reason, False if spec else None, False, reject, req.tenant, req.request_id, None,
+                        _perf_ns() - t0, base, denied)
 
     def _selects_adapter(self, model: str) -> bool:
         """True when ``model`` names a registered adapter, directly or as ``base:adapter``."""
