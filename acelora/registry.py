@@ -203,6 +203,7 @@ class AdapterRegistry:
     def __init__(self, specs: Iterable[AdapterSpec] = (), *, grants: Mapping[str, Iterable[str]] | None = None,
                  public_by_default: bool = True) -> None:
         self._specs: dict[str, AdapterSpec] = {}
+        self.specs: Mapping[str, AdapterSpec] = self._specs  # the live name -> spec map: read it, use add/remove
         self._grants: dict[str, set[str]] = {t: set(names) for t, names in (grants or {}).items()}
         self.public_by_default = public_by_default
         self.errors: dict[str, str] = {}  # skipped directories -> why, from the last scan
@@ -316,11 +317,6 @@ class AdapterRegistry:
                     spec.tenants = frozenset((spec.tenants or frozenset()) | {tenant})
 
     # -- queries ------------------------------------------------------------------------------
-    @property
-    def specs(self) -> Mapping[str, AdapterSpec]:
-        """The live name -> spec mapping (read it, don't mutate it; use add/remove)."""
-        return self._specs
-
     def get(self, name: str) -> AdapterSpec | None:
         return self._specs.get(name)
 
