@@ -176,7 +176,7 @@ def _report(rows: list[dict[str, Any]], markers: dict[str, str], wall_s: float, 
         "latency_ms_p50": round(statistics.median(lat), 1),
         "latency_ms_p99": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1),
         "gateway_wall_s": round(wall_s, 2),
-        "route_overhead_ms_p50": round(statistics.median(e.overhead_ms for e in skill.traces.all() if e.overhead_ms is not None), 4),
+        "acelora_overhead_ms_p50": round(statistics.median(e.overhead_ms for e in skill.traces.all() if e.overhead_ms is not None), 4),
         "execute": {"output_text": execute.get("output", {}).get("choices", [{}])[0].get("message", {}).get("content"),
                     "trace": execute.get("trace")},
         "metrics": [line for line in metrics.splitlines() if line.startswith("acelora_multi_lora_requests_total")],
@@ -196,7 +196,7 @@ def _print_report(rep: dict[str, Any], say: Any) -> None:
     say("")
     for key in ("requests", "actions", "fallback_reasons", "adapter_outputs_with_own_marker", "outputs_as_expected",
                 "prefetch_hit_rate", "cold_swap_ms_p50", "latency_ms_p50", "latency_ms_p99", "gateway_wall_s",
-                "route_overhead_ms_p50"):
+                "acelora_overhead_ms_p50"):
         say(f"  {key:34} {rep[key]}")
     say(f"  {'/v1/execute output':34} {rep['execute']['output_text']!r}")
     say(f"  {'/v1/execute trace':34} {json.dumps(rep['execute']['trace'])[:200]}")
