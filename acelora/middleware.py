@@ -10,7 +10,9 @@ is not consulted (no body read, no decision in the scope) unless the request car
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 from acelora import jsonbody
 from acelora.errors import InvalidRequest
 from acelora.fleet import ModelServer
+from acelora.request import prefetch_hints
 from acelora.skill import OVERRIDE_HEADER, TENANT_HEADER, Decision, Mode, MultiLoRA, RouteRequest
 from acelora.trace import SERVED_BY_HEADER, TRACE_HEADER, TraceEvent, encode_header
 
@@ -26,6 +29,8 @@ Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+log = logging.getLogger("acelora.middleware")
 
 DEFAULT_PATHS = ("/v1/chat/completions", "/v1/completions")
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
@@ -135,6 +140,7 @@ class MultiLoRAMiddleware:
         self.load_timeout_s = load_timeout_s
         self.default_server = default_server
         self._http: Any = None
+        self.background: set[asyncio.Task[Any]] = set()  # prefetch loads in flight (held so they finish)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -175,6 +181,15 @@ class MultiLoRAMiddleware:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+
+
+def _prefetch_done(tasks: set[asyncio.Task[Any]]) -> Callable[[asyncio.Task[Any]], None]:
+    def done(task: asyncio.Task[Any]) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("prefetch load failed: %r", task.exception())
+
+    return done
 
 
 class MultiLoRAResponder:
@@ -224,6 +239,8 @@ class MultiLoRAResponder:
             name = req.lora_name or req.model
             req.resident = name in default.resident if name else None
         decision = mw.skill.route(req)
+        if decision.mode is Mode.PROD and ("lora_prefetch" in payload or "extra_body" in payload):
+            self.prefetch(req, prefetch_hints(payload))
         swap_ns = 0
         if decision.needs_load and (decision.server is not None or default is not None or mw._custom_loader):
             t = _perf_ns()
@@ -246,6 +263,22 @@ class MultiLoRAResponder:
         self.scope, self.body, self.decision = scope, body, decision
         self.overhead_ms = (_perf_ns() - self.t0 - swap_ns) / 1e6
         await mw.app(scope, self.receive_body, self.make_send(send))
+
+    def prefetch(self, req: RouteRequest, names: list[str]) -> None:
+        """Start loading, in the background, the adapters this request says later ones will need
+        (``lora_prefetch``). Each goes through route() with the request's tenant, so a hint can only
+        warm an adapter that tenant could use; nothing is recorded as a request."""
+        mw = self.mw
+        default = mw.default_server
+        for name in names:
+            hint = RouteRequest(model=req.model, lora_name=name, tenant=req.tenant, mode=Mode.PROD)
+            if default is not None and not len(mw.skill.fleet):
+                hint.resident = name in default.resident
+            d = mw.skill.route(hint)
+            if d.needs_load and (d.server is not None or default is not None or mw._custom_loader):
+                task = asyncio.get_running_loop().create_task(mw.loader(mw.skill, d))
+                mw.background.add(task)
+                task.add_done_callback(_prefetch_done(mw.background))
 
     async def _read_body(self, receive: Receive) -> bytes | None:
         limit = self.mw.max_body_bytes

@@ -61,6 +61,24 @@ def parse_override(header: str | None) -> Mode | None:
     return None
 
 
+MAX_PREFETCH_HINTS = 8
+
+
+def prefetch_hints(body: dict[str, Any]) -> list[str]:
+    """Adapter names a body asks acelora to pre-load for later requests: ``lora_prefetch`` (a name or a
+    list of names, at the top level or in a raw ``extra_body``), at most eight, strings only.
+
+    >>> prefetch_hints({"lora_prefetch": ["legal-compliance-v1", 7, "med-qa-v1"]})
+    ['legal-compliance-v1', 'med-qa-v1']
+    """
+    hint = body.get("lora_prefetch")
+    if hint is None:
+        extra = body.get("extra_body")
+        hint = extra.get("lora_prefetch") if isinstance(extra, dict) else None
+    names = [hint] if isinstance(hint, str) else hint if isinstance(hint, list) else []
+    return [n for n in names if isinstance(n, str)][:MAX_PREFETCH_HINTS]
+
+
 @dataclass(slots=True)
 class RouteRequest:
     """What ``route()`` needs to know about one request.

@@ -240,3 +240,21 @@ def test_unknown_route_is_a_404_envelope_and_health_and_metrics_answer(make_skil
     chat(url, {"model": "no-such-v1", "messages": MESSAGES})
     metrics = httpx.get(f"{url}/metrics").text
     assert 'acelora_multi_lora_requests_total{action="fallback_base_model",fallback_reason="unknown_adapter"' in metrics
+
+
+def test_lora_prefetch_warms_the_next_adapter_in_the_background(make_skill, gateway, upstream):
+    import time
+
+    skill = make_skill("prod")
+    url = gateway(skill)
+    first = chat(url, {"model": "code-python-v2", "messages": MESSAGES,
+                       "lora_prefetch": ["legal-compliance-v1", "med-qa-v1", "no-such-adapter"]})
+    assert trace_of(first).adapter_name == "code-python-v2"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(upstream.loads) < 2:
+        time.sleep(0.02)
+    # the hinted adapter this (tenant-less) caller may use is loaded; another tenant's and unknown ones are not
+    assert sorted(b["lora_name"] for b in upstream.loads) == ["code-python-v2", "legal-compliance-v1"]
+    assert "lora_prefetch" not in upstream.received[-1]
+    nxt = trace_of(chat(url, {"model": "legal-compliance-v1", "messages": MESSAGES}))
+    assert nxt.action == "adapter_prefetched_applied" and nxt.swap_ms == 0.0 and nxt.swap_ms_saved is not None
