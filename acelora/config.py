@@ -21,6 +21,10 @@ Example ``acelora.toml``::
     base_model = "meta-llama/Llama-3.3-70B-Instruct"
     max_lora_rank = 16
 
+    [prefetch]
+    enabled = true                # lora_prefetch hints of prod requests load adapters in the background
+    max_hints = 8
+
     [gateway]
     admin_key_env = "ACELORA_ADMIN_KEY"
 """
@@ -78,9 +82,8 @@ class ServerConfig(_Strict):
 
 
 class PrefetchConfig(_Strict):
-    enabled: bool = True
-    top_k: int = Field(4, ge=0)
-    policy: Literal["lru", "lfu", "forecast"] = "lru"
+    enabled: bool = True  # honour the lora_prefetch hints of prod requests
+    max_hints: int = Field(8, ge=0, le=64)  # adapters one request may ask to pre-load
 
 
 class GatewayConfig(_Strict):
@@ -166,6 +169,7 @@ def skill_from_config(path: str | Path, env: dict[str, str] | None = None, **ove
         registry=registry, fleet=fleet, mode=cfg.mode, on_unknown=cfg.on_unknown, base_model=cfg.base_model,
         engine=cfg.engine, max_lora_rank=cfg.max_lora_rank, base_model_bytes=cfg.base_model_bytes,
         load_timeout_s=cfg.load_timeout_s, api_keys=api_keys, admin_key=admin_key,
+        max_prefetch_hints=cfg.prefetch.max_hints if cfg.prefetch.enabled else 0,
     )
     kwargs.update(overrides)
     skill = MultiLoRA(**kwargs)

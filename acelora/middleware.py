@@ -240,7 +240,7 @@ class MultiLoRAResponder:
             req.resident = name in default.resident if name else None
         decision = mw.skill.route(req)
         if decision.mode is Mode.PROD and ("lora_prefetch" in payload or "extra_body" in payload):
-            self.prefetch(req, prefetch_hints(payload))
+            self.prefetch(req, prefetch_hints(payload)[: mw.skill.max_prefetch_hints])
         swap_ns = 0
         if decision.needs_load and (decision.server is not None or default is not None or mw._custom_loader):
             t = _perf_ns()

@@ -63,7 +63,7 @@ class MultiLoRA:
                  max_lora_rank: int | None = None, base_model_bytes: int | None = None,
                  traces: TraceRecorder | None = None, metrics_registry: CollectorRegistry | None = None,
                  load_timeout_s: float = 30.0, api_keys: dict[str, str] | None = None,
-                 admin_key: str | None = None) -> None:
+                 admin_key: str | None = None, max_prefetch_hints: int = 8) -> None:
         if on_unknown not in ("fallback", "reject"):
             raise ConfigError(f"on_unknown: {on_unknown!r} is not 'fallback' or 'reject'")
         compatibility(AdapterSpec(name="probe", path="/"), engine)  # validates the kind
@@ -80,6 +80,7 @@ class MultiLoRA:
         self.load_timeout_s = load_timeout_s
         self.api_keys = dict(api_keys or {})  # bearer key -> tenant (gateway auth)
         self.admin_key = admin_key
+        self.max_prefetch_hints = max_prefetch_hints  # lora_prefetch names honoured per request (0: none)
         self.config: Any = None  # the validated AceloraConfig when built by from_config()
         self.resident: set[str] = set()  # adapters known loaded on the upstream when there is no fleet
         self._base_order: dict[tuple[str | None, str | None], tuple[int, list[ModelServer]]] = {}

@@ -86,3 +86,11 @@ def test_invalid_config_gives_one_clear_error_naming_the_key(tmp_path, text, key
 def test_missing_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         MultiLoRA.from_config(str(tmp_path / "nope.toml"))
+
+
+def test_prefetch_settings_reach_the_skill(tmp_path, monkeypatch):
+    monkeypatch.delenv("ACELORA_MODE", raising=False)
+    assert MultiLoRA.from_config(str(write(tmp_path, "[prefetch]\nmax_hints = 3"))).max_prefetch_hints == 3
+    assert MultiLoRA.from_config(str(write(tmp_path, "[prefetch]\nenabled = false"))).max_prefetch_hints == 0
+    with pytest.raises(ConfigError, match="prefetch.top_k"):
+        MultiLoRA.from_config(str(write(tmp_path, "[prefetch]\ntop_k = 3")))
