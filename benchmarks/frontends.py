@@ -89,14 +89,25 @@ async def asgi_call(app: Any, scope: dict[str, Any], body: bytes) -> None:
     await app(scope, receive, send)
 
 
-async def bench_middleware(mode: str, n: int, warmup: int) -> dict[str, Any]:
+async def bare_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """The least an ASGI app can do: take the body, answer 200 (to see the middleware's own cost)."""
+    await receive()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": b"{}"})
+
+
+async def bench_middleware(mode: str, n: int, warmup: int, bare: bool = False) -> dict[str, Any]:
     from starlette.middleware import Middleware
 
     from acelora.middleware import MultiLoRAMiddleware
 
-    plain = upstream_app()
-    wrapped = upstream_app()
-    wrapped.user_middleware = [Middleware(MultiLoRAMiddleware, skill=make_skill(mode))]
+    if bare:
+        plain: Any = bare_app
+        wrapped: Any = MultiLoRAMiddleware(bare_app, skill=make_skill(mode))
+    else:
+        plain = upstream_app()
+        wrapped = upstream_app()
+        wrapped.user_middleware = [Middleware(MultiLoRAMiddleware, skill=make_skill(mode))]
     body = json.dumps({"model": BASE, "messages": MESSAGES, "lora_name": "code-python-v2", "max_tokens": 64}).encode()
     headers = [(b"host", b"bench"), (b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode()), (b"x-ace-tenant-id", b"tenant_dev_01")]
@@ -113,7 +124,7 @@ async def bench_middleware(mode: str, n: int, warmup: int) -> dict[str, Any]:
             if i >= warmup:
                 out.append(clock() - t)
     added = [y - x for x, y in zip(a, b, strict=True)]
-    return {"mode": mode, "without": summary(a), "with": summary(b),
+    return {"mode": mode + (" (bare app)" if bare else ""), "without": summary(a), "with": summary(b),
             "added_p50_us": round(pct(b, 0.5) / 1000 - pct(a, 0.5) / 1000, 2),
             "added_pairwise_p50_us": round(pct(added, 0.5) / 1000, 2)}
 
@@ -204,16 +215,17 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"python": sys.version.split()[0], "cpus": os.cpu_count(), "middleware": []}
     for mode in ("prod", "shadow", "off"):
         results["middleware"].append(asyncio.run(bench_middleware(mode, n_mw, warmup=n_mw // 10)))
+    results["middleware"].append(asyncio.run(bench_middleware("prod", n_mw, warmup=n_mw // 10, bare=True)))
     if not args.skip_gateway:
         results["gateway"] = bench_gateway(n_gw, warmup=n_gw // 10)
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
     print(f"python {results['python']}, {results['cpus']} CPUs; middleware n={n_mw} per variant, interleaved")
-    print(f"{'mode':8s} {'without p50/p99 us':>20s} {'with p50/p99 us':>18s} {'added p50 us':>13s}")
+    print(f"{'mode':17s} {'without p50/p99 us':>20s} {'with p50/p99 us':>18s} {'added p50 us':>13s}")
     for r in results["middleware"]:
         w, m = r["without"], r["with"]
-        print(f"{r['mode']:8s} {w['p50_us']:>9.1f}/{w['p99_us']:<9.1f} {m['p50_us']:>8.1f}/{m['p99_us']:<8.1f} "
+        print(f"{r['mode']:17s} {w['p50_us']:>9.1f}/{w['p99_us']:<9.1f} {m['p50_us']:>8.1f}/{m['p99_us']:<8.1f} "
               f"{r['added_p50_us']:>10.1f}")
     if "gateway" in results:
         g = results["gateway"]
