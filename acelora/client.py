@@ -101,10 +101,10 @@ class _Router:
             self.finish(plan, plan.response)
             return plan
         out = decision.apply(payload)
-        server = decision.server
-        if decision.mode is not Mode.PROD or (out is payload and server is None):
-            plan.request = request  # off/shadow: untouched, to the client's own base_url
-        else:
+        server = decision.server if decision.mode is Mode.PROD else None  # off/shadow: the client's base_url
+        if out is payload and server is None:
+            plan.request = request  # untouched
+        else:  # prod, or shadow keeping another tenant's adapter from running (apply() set the base model)
             headers = request.headers.copy()
             for name in ("host", "content-length"):
                 headers.pop(name, None)

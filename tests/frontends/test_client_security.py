@@ -83,3 +83,13 @@ async def test_async_shadow_goes_to_the_clients_base_url(upstream, other):
     assert out.model == "tiny-llama" and other.received == []
     assert upstream.received[-1] == {"model": "tiny-llama", "messages": MESSAGES, "lora_name": "code-python-v2"}
     await client.close()
+
+
+def test_shadow_still_never_runs_another_tenants_adapter(upstream, other):
+    skill = skill_on(other.url, "shadow")
+    client = wrap_openai(openai.OpenAI(base_url=f"{upstream.url}/v1", api_key="sk-client", max_retries=0), skill,
+                         tenant="tenant_other")
+    raw = client.chat.completions.with_raw_response.create(model="med-qa-v1", messages=MESSAGES)  # tenant_med's
+    assert raw.parse().model == "tiny-llama" and other.received == []
+    assert upstream.received[-1]["model"] == "tiny-llama"  # same destination, but the base model
+    assert "fallback_reason=unknown_adapter" in raw.headers["x-ace-trace-multi-lora"]

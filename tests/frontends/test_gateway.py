@@ -80,6 +80,15 @@ def test_shadow_mode_checks_but_does_not_rewrite_or_load(make_skill, gateway, up
     assert upstream.loads == []
 
 
+def test_shadow_mode_still_sends_another_tenants_adapter_to_the_base_model(make_skill, gateway, upstream):
+    url = gateway(make_skill("shadow"))
+    r = chat(url, {"model": "med-qa-v1", "messages": MESSAGES}, {"x-ace-tenant-id": "tenant_other"})
+    assert r.json()["model"] == "tiny-llama" and upstream.received[-1]["model"] == "tiny-llama"
+    assert trace_of(r).fallback_reason == "unknown_adapter"
+    mine = chat(url, {"model": "med-qa-v1", "messages": MESSAGES}, {"x-ace-tenant-id": "tenant_med"})
+    assert upstream.received[-1]["model"] == "med-qa-v1" and trace_of(mine).action == "would_load_lora"
+
+
 def test_prod_mode_second_request_finds_the_adapter_resident(make_skill, gateway, upstream):
     skill = make_skill("prod")
     url = gateway(skill)
