@@ -271,7 +271,9 @@ class EngineServer(RuntimeLoraRoutes):
         result = None
         try:
             async with asyncio.timeout(self.timeout):
-                result = await self.engine.generate(ids, adapter, params)
+                result = await _unless_disconnected(request, self.engine.generate(ids, adapter, params))
+            if result is None:  # the client left: its generation was cancelled, nobody reads an answer
+                return Response(status_code=499)
         except AdapterNotFound:  # unloaded while the request waited: the same 404 as an unknown name
             return self.unknown_model(adapter or "")
         except TimeoutError:
@@ -350,6 +352,26 @@ class EngineServer(RuntimeLoraRoutes):
             "runtime_lora_updating": self.allow_runtime_lora, "adapters": self.engine.adapter_names(),
             "pool": self.engine.pool.stats(),
         })  # fmt: skip
+
+
+async def _unless_disconnected(request: Request, work: Any) -> Any:
+    """Await ``work``, but cancel it (and return None) as soon as the client disconnects: a client that
+    gave up must not keep a batch slot generating up to max_tokens (vLLM does the same)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        watch.cancel()
+    return task.result() if not task.cancelled() else None
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

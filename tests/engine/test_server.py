@@ -223,3 +223,17 @@ def test_deeply_nested_json_under_the_size_cap_is_a_400_not_a_500(server) -> Non
         r = httpx.post(server.url + path, content=deep, headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError", (path, r.text)
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_client_that_gives_up_on_a_non_streaming_request_frees_its_slot(server, engine):
+    import time
+
+    before = engine.stats["tokens"]
+    with pytest.raises(httpx.TimeoutException):  # greedy base output of this prompt runs to max_tokens
+        httpx.post(f"{server.url}/v1/completions", timeout=0.05,
+                   json={"model": TINY_MODEL_NAME, "prompt": "zzzz", "max_tokens": 1000, "temperature": 0})
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and engine.snapshot()["num_running"]:
+        time.sleep(0.02)
+    assert engine.snapshot()["num_running"] == 0
+    assert engine.stats["tokens"] - before < 1000  # cancelled, not generated to the end for nobody
