@@ -13,7 +13,7 @@ import secrets
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 from starlette.responses import JSONResponse
 
 # sanitize_message: absolute paths under these roots, and file names with a file extension
@@ -89,6 +89,17 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     lora_prefetch: Any = None  # acelora hint: registered adapters to pre-load (anything else is ignored)
+    # Asked-for log probabilities cannot be silently dropped: refuse them (this engine returns none).
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    @field_validator("logprobs", "top_logprobs", "prompt_logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: Any) -> Any:
+        if v not in (None, False, 0):
+            raise ValueError("log probabilities are not supported by this engine")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -149,12 +160,12 @@ class CompletionRequest(_Sampling):
     'Once'
     """
 
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[StrictInt]  # StrictInt: true/1.0 are not token ids
     echo: Literal[False] | None = False
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: str | list[str] | list[int]) -> str | list[str] | list[int]:
+    def _one_prompt(cls, v: str | list[str] | list[StrictInt]) -> str | list[str] | list[StrictInt]:
         if isinstance(v, list) and v and isinstance(v[0], str) and len(v) != 1:
             raise ValueError("exactly one prompt per request")
         if v == "" or v == []:

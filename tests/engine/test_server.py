@@ -237,3 +237,16 @@ def test_a_client_that_gives_up_on_a_non_streaming_request_frees_its_slot(server
         time.sleep(0.02)
     assert engine.snapshot()["num_running"] == 0
     assert engine.stats["tokens"] - before < 1000  # cancelled, not generated to the end for nobody
+
+
+@pytest.mark.parametrize("extra", [{"logprobs": True, "top_logprobs": 2}, {"prompt_logprobs": 1}])
+def test_asking_for_logprobs_is_a_400_not_a_silent_null(server, extra):
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                   json={"model": TINY_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], **extra})
+    assert r.status_code == 400 and "log probabilities" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("prompt", [[True, False], [1.0, 2.0]])
+def test_booleans_and_floats_are_not_token_ids(server, prompt):
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": TINY_MODEL_NAME, "prompt": prompt}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
