@@ -10,9 +10,16 @@ from collections.abc import Sequence
 
 
 def _registry(args: argparse.Namespace) -> int:
+    from acelora.errors import AceloraError
     from acelora.registry import AdapterRegistry, compatibility
 
-    reg = AdapterRegistry.from_dir(args.root, allow_pickle=args.allow_pickle, digest=not args.no_digest)
+    try:
+        reg = AdapterRegistry.from_dir(args.root, allow_pickle=args.allow_pickle, digest=not args.no_digest)
+    except (AceloraError, OSError) as e:
+        if args.json:
+            print(json.dumps({"error": str(e)}))
+        print(f"acelora registry: error: {e}", file=sys.stderr)
+        return 2
     rows = []
     for spec in sorted(reg, key=lambda s: s.name):
         row = {"name": spec.name, "rank": spec.rank, "size_bytes": spec.size_bytes, "dtype": spec.dtype,

@@ -132,7 +132,7 @@ class Fleet:
         async def one(server: ModelServer, http: httpx.AsyncClient) -> str | None:
             try:
                 await probe_server(server, http, timeout_s=timeout_s)
-            except (httpx.HTTPError, ValueError, AttributeError) as e:
+            except Exception as e:  # one odd server must not stop the others (or a gateway's start-up)
                 return f"{type(e).__name__}: {e}"
             return None
 

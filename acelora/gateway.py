@@ -267,7 +267,7 @@ class Gateway:
 
         try:
             await probe_server(server, self.client, timeout_s=min(10.0, self.timeout.read or 10.0))
-        except (httpx.HTTPError, ValueError, AttributeError):
+        except (httpx.HTTPError, ValueError, TypeError, AttributeError):
             return error_response(502, f"Server {server.name} could not be probed at its endpoint.", "BadGatewayError")
         self.skill.fleet.add(server)
         return JSONResponse(server.public_dict(), 201)

@@ -223,23 +223,59 @@ async def unload_adapter(server: ModelServer, name: str, client: httpx.AsyncClie
     return ok
 
 
+def _object(r: httpx.Response) -> dict[str, Any]:
+    """A JSON object body, or {} for anything else (a probe reads what it can and ignores the rest)."""
+    try:
+        data = r.json()
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _max_lora_from_metrics(text: str) -> int | None:
+    """``max_lora`` of the newest ``vllm:lora_requests_info`` series (its value is the time it was set)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    newest: tuple[float, int] | None = None
+    try:
+        for family in text_string_to_metric_families(text):
+            if family.name != "vllm:lora_requests_info":
+                continue
+            for sample in family.samples:
+                raw = sample.labels.get("max_lora", "")
+                if raw.isdigit() and (newest is None or sample.value > newest[0]):
+                    newest = (sample.value, int(raw))
+    except ValueError:  # not the Prometheus text format
+        return None
+    return newest[1] if newest else None
+
+
 async def probe_server(server: ModelServer, client: httpx.AsyncClient, timeout_s: float = 10.0) -> ModelServer:
     """Ask ``server`` what it serves and supports; fills ``base_model``, ``resident``, ``runtime_loading``,
-    ``max_lora_rank``. Raises ``httpx.HTTPError`` when it cannot be reached."""
+    ``max_lora_rank`` and ``capacity`` where the server exposes them. Raises ``httpx.HTTPError`` when it
+    cannot be reached and ``ValueError`` when ``/v1/models`` is not an OpenAI model list."""
     headers = _headers(server)
     r = await client.get(f"{server.openai_base_url}/models", headers=headers, timeout=timeout_s)
     r.raise_for_status()
-    cards = [c for c in r.json().get("data", []) if isinstance(c, dict) and isinstance(c.get("id"), str)]
+    data = _object(r).get("data")
+    if not isinstance(data, list):
+        raise ValueError(f"{server.openai_base_url}/models did not answer an OpenAI model list")
+    cards = [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]
     bases = [c["id"] for c in cards if not c.get("parent")]
     if server.base_model is None and bases:
         server.base_model = bases[0]
     server.resident = {c["id"] for c in cards if c.get("parent")}  # vLLM and SGLang list loaded adapters
-    if server.kind == "vllm" and server.base_model_bytes is None:
-        # acelora's embedded engine says how big its base model is (for vram_mb_saved); vLLM answers 404.
-        info = await client.get(f"{server.endpoint}/acelora/info", headers=headers, timeout=timeout_s)
-        if info.status_code == 200 and isinstance(info.json().get("base_weight_bytes"), int):
-            server.base_model_bytes = info.json()["base_weight_bytes"]
     if server.kind == "vllm":
+        # acelora's embedded engine says more than vLLM does (vLLM answers 404 here).
+        info = _object(await client.get(f"{server.endpoint}/acelora/info", headers=headers, timeout=timeout_s))
+        if isinstance(info.get("base_weight_bytes"), int) and server.base_model_bytes is None:
+            server.base_model_bytes = info["base_weight_bytes"]
+        if isinstance(info.get("max_lora_rank"), int) and server.max_lora_rank is None:
+            server.max_lora_rank = info["max_lora_rank"]
+        m = await client.get(f"{server.endpoint}/metrics", headers=headers, timeout=timeout_s)
+        max_lora = _max_lora_from_metrics(m.text) if m.status_code == 200 else None
+        if max_lora:
+            server.capacity = max_lora
         # An empty load is harmless: 400 (fields missing) when runtime loading is on, 404 when it is off.
         r = await client.post(f"{server.endpoint}/v1/load_lora_adapter", json={"lora_name": "", "lora_path": ""},
                               headers=headers, timeout=timeout_s)
@@ -248,8 +284,8 @@ async def probe_server(server: ModelServer, client: httpx.AsyncClient, timeout_s
         r = await client.get(f"{server.endpoint}/server_info", headers=headers, timeout=timeout_s)
         if r.status_code == 404:
             r = await client.get(f"{server.endpoint}/get_server_info", headers=headers, timeout=timeout_s)
-        if r.status_code == 200:
-            info = r.json()
+        info = _object(r) if r.status_code == 200 else {}
+        if info:
             server.runtime_loading = bool(info.get("enable_lora"))
             if isinstance(info.get("max_lora_rank"), int):
                 server.max_lora_rank = info["max_lora_rank"]

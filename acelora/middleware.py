@@ -246,6 +246,10 @@ class MultiLoRAResponder:
             t = _perf_ns()
             decision = await mw.loader(mw.skill, decision)
             swap_ns = _perf_ns() - t
+        elif decision.needs_load and decision.adapter:
+            # Nothing here can load it: the app behind us does, on this request's path (a wait we do not
+            # see, so no swap_ms). Later requests find it resident there, as far as we can know.
+            mw.skill.resident.add(decision.adapter)
         if decision.reject:
             extra = trace_headers(mw.skill, decision, None, (_perf_ns() - self.t0 - swap_ns) / 1e6)
             await send_json(send, 404, not_found_body(requested_name(req)), extra)
@@ -259,7 +263,10 @@ class MultiLoRAResponder:
         else:
             scope = dict(scope)
         scope[DECISION_KEY] = decision
-        scope["state"] = {**scope.get("state", {}), "acelora": decision}
+        if isinstance(scope.get("state"), dict):  # shared with the server and outer middleware: add to it
+            scope["state"]["acelora"] = decision
+        else:
+            scope["state"] = {"acelora": decision}
         self.scope, self.body, self.decision = scope, body, decision
         self.overhead_ms = (_perf_ns() - self.t0 - swap_ns) / 1e6
         await mw.app(scope, self.receive_body, self.make_send(send))

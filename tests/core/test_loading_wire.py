@@ -198,3 +198,26 @@ def test_fleet_probe_updates_every_server_and_invalidates_cached_placements():
     assert errors["up"] is None and errors["down"].startswith("ConnectError")
     assert server.max_lora_rank == 16
     assert skill.route(RouteRequest(model="code-python-v2")).applied  # the cached "unsupported" is gone
+
+
+def test_probe_reads_max_lora_from_vllm_metrics():
+    server = ModelServer(name="p", endpoint="http://up:8000", kind="vllm")
+    client = httpx.AsyncClient(transport=httpx.MockTransport(replay("vllm__models_with_adapters",
+                                                                    "vllm__metrics_lora_info", "vllm__load_ok")))
+    asyncio.run(probe_server(server, client))
+    assert server.capacity == 4 and server.runtime_loading is True  # --max-loras 4 in the recording
+
+
+def test_an_odd_server_fails_its_own_probe_without_stopping_the_others():
+    good = ModelServer(name="good", endpoint="http://good:8000", kind="vllm")
+    odd = ModelServer(name="odd", endpoint="http://odd:8000", kind="vllm")
+    fleet = Fleet([good, odd])
+
+    def handler(request):
+        if request.url.host == "odd":
+            return httpx.Response(200, json={"object": "list", "data": None})
+        return replay("vllm__models_with_adapters", "vllm__load_runtime_disabled")(request)
+
+    errors = asyncio.run(fleet.probe(httpx.AsyncClient(transport=httpx.MockTransport(handler))))
+    assert errors["good"] is None and good.base_model == BASE
+    assert errors["odd"].startswith("ValueError") and "model list" in errors["odd"]

@@ -218,3 +218,20 @@ def test_a_tampered_index_cannot_point_outside_the_root_or_rename(tmp_path, peft
     code = reg.get("code-python-v2")
     assert code.path == str((root / "code-python-v2").resolve()) and code.rank == 8
     assert reg.get("med-qa-v1").name == "med-qa-v1"
+
+
+def test_registry_cli_reports_a_missing_root_in_one_line(capsys):
+    from acelora.cli import main
+
+    assert main(["registry", "/definitely/not/here"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("acelora registry: error:") and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_registry_cli_lists_adapters_and_engine_limits(peft_root, capsys):
+    from acelora.cli import main
+
+    assert main(["registry", str(peft_root), "--kind", "sglang", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["name"]: r for r in out["adapters"]}
+    assert rows["legal-compliance-v1"]["unsupported"] == ["use_rslora"] and rows["code-python-v2"]["unsupported"] == []

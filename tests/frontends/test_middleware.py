@@ -206,3 +206,18 @@ def test_inside_fastapi_with_the_sdk_over_uvicorn_streaming_and_raw_headers(make
         assert "".join(c.choices[0].delta.content or "" for c in stream) == "[code-python-v2] hello"
         assert httpx.get(f"{srv.url}/decision-free").json() == {"has": False}
     assert state.received[0] == {"model": "code-python-v2", "messages": MESSAGES}
+
+
+async def test_without_a_loader_the_app_behind_loads_once_and_no_swap_is_invented():
+    from conftest import BASE, make_registry
+
+    from acelora.skill import MultiLoRA
+
+    skill = MultiLoRA(registry=make_registry(), mode="prod", base_model=BASE)  # no fleet, nothing to load with
+    async with client_for(echo_app(skill)) as c:
+        traces = []
+        for _ in range(2):
+            r = await c.post("/v1/chat/completions", json={"model": "code-python-v2", "messages": MESSAGES})
+            traces.append(decode_header(r.headers["x-ace-trace-multi-lora"]))
+    assert [t.action for t in traces] == ["adapter_cold_loaded_applied", "adapter_prefetched_applied"]
+    assert traces[0].swap_ms is None and traces[0].swap_ms_saved is None  # not measured, so not reported
