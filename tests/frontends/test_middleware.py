@@ -7,6 +7,7 @@ import json
 import httpx
 import openai
 import pytest
+from conftest import BASE, make_registry
 from fastapi import FastAPI
 from fastapi import Request as FastAPIRequest
 from starlette.applications import Starlette
@@ -17,6 +18,7 @@ from starlette.routing import Route
 from upstream import ServerThread, UpstreamState, create_upstream
 
 from acelora.middleware import DECISION_KEY, SERVED_BY_KEY, MultiLoRAMiddleware
+from acelora.skill import MultiLoRA
 from acelora.trace import decode_header
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -209,10 +211,6 @@ def test_inside_fastapi_with_the_sdk_over_uvicorn_streaming_and_raw_headers(make
 
 
 async def test_without_a_loader_the_app_behind_loads_once_and_no_swap_is_invented():
-    from conftest import BASE, make_registry
-
-    from acelora.skill import MultiLoRA
-
     skill = MultiLoRA(registry=make_registry(), mode="prod", base_model=BASE)  # no fleet, nothing to load with
     async with client_for(echo_app(skill)) as c:
         traces = []
