@@ -90,7 +90,8 @@ class GatewayConfig(_Strict):
     admin_key_env: str | None = None
     upstream: str | None = None
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-    timeout_s: float = Field(120.0, gt=0)
+    timeout_s: float = Field(120.0, gt=0)  # each upstream read
+    max_stream_s: float = Field(900.0, gt=0)  # a whole streamed answer
 
 
 class AceloraConfig(_Strict):

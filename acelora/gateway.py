@@ -28,7 +28,7 @@ from acelora import jsonbody
 from acelora.errors import AceloraError, InvalidRequest
 from acelora.fleet import ModelServer
 from acelora.gateway_auth import ADMIN_KEY, GatewayAuth, downgrade_denied_body, is_downgrade, may_downgrade
-from acelora.gateway_proxy import Health, Outcome, Proxy, error_response, relay
+from acelora.gateway_proxy import DEFAULT_MAX_STREAM_S, Health, Outcome, Proxy, error_response, relay
 from acelora.middleware import (
     DECISION_KEY,
     DEFAULT_MAX_BODY,
@@ -149,6 +149,7 @@ class Gateway:
                  salt_secret: bytes, http_client: httpx.AsyncClient | None, max_body_bytes: int) -> None:
         self.skill = skill
         self.max_body_bytes = max_body_bytes
+        self.max_stream_s = DEFAULT_MAX_STREAM_S
         self.upstream = upstream
         self.timeout = timeout
         self.salt_secret = salt_secret
@@ -193,7 +194,7 @@ class Gateway:
         if outcome.error is not None:
             return outcome.error
         assert outcome.response is not None
-        return relay(outcome.response)
+        return relay(outcome.response, self.max_stream_s)
 
     async def execute(self, request: Request) -> Response:
         t0 = time.perf_counter_ns()
@@ -337,7 +338,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 def create_gateway(skill: MultiLoRA, *, upstream: str | ModelServer | None = None, upstream_kind: str = "vllm",
                    timeout_s: float | None = None, connect_timeout_s: float = 5.0,
                    max_body_bytes: int | None = None, cache_salt_secret: bytes | str | None = None,
-                   http_client: httpx.AsyncClient | None = None) -> Starlette:
+                   http_client: httpx.AsyncClient | None = None, max_stream_s: float | None = None) -> Starlette:
     """The OpenAI-compatible gateway as a Starlette app.
 
     >>> app = create_gateway(acelora.MultiLoRA.from_config("acelora.toml"))  # doctest: +SKIP
@@ -346,6 +347,7 @@ def create_gateway(skill: MultiLoRA, *, upstream: str | ModelServer | None = Non
     ``upstream``: where requests go when the decision names no fleet server (URL or ModelServer;
     defaults to ``[gateway] upstream`` of the skill's config). ``cache_salt_secret``: key of the
     per-tenant vLLM ``cache_salt`` (env ``ACELORA_CACHE_SALT_SECRET``; random per process otherwise).
+    ``timeout_s`` bounds each upstream read; ``max_stream_s`` bounds a whole streamed answer.
     """
     gw_cfg = getattr(getattr(skill, "config", None), "gateway", None)
     if upstream is None and gw_cfg is not None:
@@ -356,9 +358,12 @@ def create_gateway(skill: MultiLoRA, *, upstream: str | ModelServer | None = Non
         timeout_s = gw_cfg.timeout_s if gw_cfg is not None else 120.0
     if max_body_bytes is None:
         max_body_bytes = gw_cfg.max_body_bytes if gw_cfg is not None else DEFAULT_MAX_BODY
+    if max_stream_s is None:
+        max_stream_s = gw_cfg.max_stream_s if gw_cfg is not None else DEFAULT_MAX_STREAM_S
     secret = cache_salt_secret or os.environ.get("ACELORA_CACHE_SALT_SECRET") or os.urandom(32)
     gw = Gateway(skill, upstream, httpx.Timeout(timeout_s, connect=connect_timeout_s),
                  secret.encode() if isinstance(secret, str) else secret, http_client, max_body_bytes)
+    gw.max_stream_s = max_stream_s
     routes = [
         Route("/v1/chat/completions", gw.proxy, methods=["POST"]),
         Route("/v1/completions", gw.proxy, methods=["POST"]),

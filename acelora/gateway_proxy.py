@@ -38,6 +38,7 @@ _FORGED_PREFIX = "x-ace-trace-"
 _SERVED_BY = "x-ace-served-by"
 CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 DEFAULT_COOLDOWN_S = 10.0
+DEFAULT_MAX_STREAM_S = 900.0  # a whole streamed answer; each read is bounded by the gateway's timeout_s
 Loader = Callable[[MultiLoRA, Decision], Awaitable[Decision]]
 
 
@@ -248,13 +249,30 @@ class Proxy:
         return dataclasses.replace(decision, server=base.server), body
 
 
-def relay(upstream: httpx.Response) -> StreamingResponse:
-    """The upstream's status, headers and body as a Starlette response, streamed as they arrive (SSE included)."""
+def relay(upstream: httpx.Response, max_s: float | None = None) -> StreamingResponse:
+    """The upstream's status, headers and body as a Starlette response, streamed as they arrive (SSE included).
+
+    Each read is bounded by the client's timeout; ``max_s`` bounds the whole answer, so an upstream that
+    drips forever cannot hold the connection forever. A stream cut that way ends with an error event.
+    """
+    is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
     async def chunks() -> AsyncIterator[bytes]:
+        deadline = None if max_s is None else time.monotonic() + max_s
+        parts = upstream.aiter_bytes()
         try:
-            async for chunk in upstream.aiter_bytes():
+            while True:
+                if deadline is None:
+                    chunk = await anext(parts)
+                else:
+                    chunk = await asyncio.wait_for(anext(parts), max(0.0, deadline - time.monotonic()))
                 yield chunk
+        except StopAsyncIteration:
+            pass
+        except TimeoutError:
+            log.warning("cut a streamed answer after %gs (max_stream_s)", max_s)
+            if is_sse:
+                yield b"data: " + openai_error(504, f"The answer took longer than {max_s:g}s.", "GatewayTimeoutError") + b"\n\n"
         finally:
             await upstream.aclose()
 

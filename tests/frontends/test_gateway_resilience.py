@@ -148,3 +148,28 @@ def test_untouched_requests_fail_over_too(make_skill, gateway, upstream, mode):
         r = chat(url, {"model": "tiny-llama", "lora_name": "code-python-v2"}, {"x-ace-tenant-id": f"t{i}"})
         assert r.status_code == 200 and r.json()["model"] == "tiny-llama"
     assert all(b.get("lora_name") == "code-python-v2" for b in upstream.received)
+
+
+def test_an_upstream_that_drips_forever_is_cut_at_max_stream_s(make_skill, gateway):
+    import asyncio
+
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def drip(request):
+        async def events():
+            while True:  # one event every 0.1 s, never done: each read is fast, the whole is endless
+                yield b'data: {"choices": []}\n\n'
+                await asyncio.sleep(0.1)
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/chat/completions", drip, methods=["POST"])])
+    with ServerThread(app) as srv:
+        url = gateway(make_skill("off", fleet=False), upstream=srv.url, timeout_s=5, max_stream_s=0.6)
+        t0 = time.monotonic()
+        with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=10,
+                          json={"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert time.monotonic() - t0 < 5
+    assert lines[0].startswith("data: {") and "GatewayTimeoutError" in lines[-1]
