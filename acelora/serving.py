@@ -16,7 +16,7 @@ class BackgroundServer:
     """
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 start_timeout_s: float = 30.0) -> None:
+                 start_timeout_s: float = 30.0, lifespan: str = "auto") -> None:
         import uvicorn
 
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -24,7 +24,8 @@ class BackgroundServer:
         self._sock.bind((host, port))
         self.host, self.port = self._sock.getsockname()[:2]
         self.url = f"http://{self.host}:{self.port}"
-        config = uvicorn.Config(app, log_level=log_level, lifespan="auto", timeout_graceful_shutdown=5)
+        self.app = app
+        config = uvicorn.Config(app, log_level=log_level, lifespan=lifespan, timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True,
                                         name=f"uvicorn-{self.port}")

@@ -5,67 +5,26 @@ Servers are real uvicorn instances on loopback (port 0), driven by the real ``op
 
 from __future__ import annotations
 
-import json
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from engine_support import LiveServer, make_engine  # noqa: E402
+
 from acelora_kernels.demo_adapters import DemoAssets, demo_assets  # noqa: E402
 from acelora_kernels.engine import Engine  # noqa: E402
-from acelora_kernels.pool import AdapterPool  # noqa: E402
 from acelora_kernels.server import create_app  # noqa: E402
-from acelora_kernels.tiny import TINY_MODEL_NAME, load_model_and_tokenizer  # noqa: E402
-
-WIRE = Path(__file__).parents[1] / "fixtures" / "wire"
-CHAT = [{"role": "user", "content": "Write a Python function that returns the sum of a list."}]
-
-
-def wire(name: str) -> dict[str, Any]:
-    """A recorded vLLM exchange from ``tests/fixtures/wire``."""
-    return json.loads((WIRE / f"{name}.json").read_text())
-
-
-class LiveServer:
-    """A uvicorn server for ``app`` on a free loopback port, in a background thread."""
-
-    def __init__(self, app: Any) -> None:
-        import uvicorn
-
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.app = app
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+from acelora_kernels.tiny import TINY_MODEL_NAME  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> DemoAssets:
     """The tiny base model and the five seed demo adapters, trained once for the session."""
     return demo_assets(5, cache_dir=tmp_path_factory.mktemp("acelora-cache"))
-
-
-def make_engine(demo: DemoAssets, **kwargs: Any) -> Engine:
-    model, tok = load_model_and_tokenizer(demo.base_dir)
-    pool_bytes = kwargs.pop("pool_bytes", 64 << 20)
-    return Engine(model, tok, AdapterPool.for_model(model, pool_bytes), dict(demo.adapters), **kwargs)
 
 
 @pytest.fixture(scope="session")

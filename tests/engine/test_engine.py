@@ -6,7 +6,7 @@ import queue
 import threading
 
 import pytest
-from conftest import CHAT, make_engine
+from engine_support import CHAT, make_engine
 
 from acelora.errors import AdapterNotFound
 from acelora_kernels.engine import Engine, SamplingParams

@@ -9,7 +9,7 @@ import shutil
 
 import httpx
 import pytest
-from conftest import CHAT, LiveServer, make_engine
+from engine_support import CHAT, LiveServer, make_engine
 
 from acelora_kernels import layers
 from acelora_kernels.engine import AdapterFailed, SamplingParams

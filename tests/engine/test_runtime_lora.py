@@ -7,7 +7,7 @@ import shutil
 import httpx
 import openai
 import pytest
-from conftest import CHAT, wire
+from engine_support import CHAT, wire
 from peft_factory import save_peft_adapter, tiny_llama
 
 from acelora_kernels.tiny import TINY_MODEL_NAME, tiny_model

@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import CHAT, LiveServer, make_engine
+from engine_support import CHAT, LiveServer, make_engine
 
 from acelora_kernels.serve_cli import ServeArgumentError, build_app, build_parser, main, static_adapters
 from acelora_kernels.server import create_app

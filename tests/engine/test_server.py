@@ -8,7 +8,7 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import CHAT, wire
+from engine_support import CHAT, wire
 
 from acelora_kernels.tiny import TINY_MODEL_NAME
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from conftest import CHAT
+from engine_support import CHAT
 
 from acelora.peft_format import lora_modules, read_config, read_safetensors_header
 from acelora_kernels.demo_adapters import demo_assets, demo_specs

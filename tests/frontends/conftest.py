@@ -11,30 +11,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from upstream import ServerThread, UpstreamState, create_upstream  # noqa: E402
+from upstream import BASE, MIB, ServerThread, UpstreamState, create_upstream, make_registry  # noqa: E402
 
 from acelora.fleet import Fleet, ModelServer  # noqa: E402
 from acelora.gateway import create_gateway  # noqa: E402
-from acelora.registry import AdapterRegistry, AdapterSpec  # noqa: E402
 from acelora.skill import MultiLoRA  # noqa: E402
-
-BASE = "tiny-llama"
-MIB = 2**20
-
-
-def make_registry() -> AdapterRegistry:
-    """code-python-v2 (public), med-qa-v1 (tenant_med only), and one adapter per incompatibility."""
-    return AdapterRegistry([
-        AdapterSpec(name="code-python-v2", path="/adapters/code-python-v2", base_model=BASE, rank=8,
-                    size_bytes=2 * MIB),
-        AdapterSpec(name="med-qa-v1", path="/adapters/med-qa-v1", base_model=BASE, rank=8, size_bytes=MIB,
-                    tenants=frozenset({"tenant_med"})),
-        AdapterSpec(name="legal-compliance-v1", path="/adapters/legal-compliance-v1", base_model=BASE, rank=16),
-        AdapterSpec(name="mistral-helper", path="/adapters/mistral-helper", base_model="mistral-7b", rank=8),
-        AdapterSpec(name="big-rank-v1", path="/adapters/big-rank-v1", base_model=BASE, rank=64),
-        AdapterSpec(name="dora-v1", path="/adapters/dora-v1", base_model=BASE, rank=8, use_dora=True),
-        AdapterSpec(name="broken-v1", path="/adapters/broken-v1", base_model=BASE, rank=8),
-    ])
 
 
 @pytest.fixture(scope="module")

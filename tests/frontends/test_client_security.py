@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from conftest import BASE, make_registry
-from upstream import ServerThread, UpstreamState, create_upstream
+from upstream import BASE, ServerThread, UpstreamState, create_upstream, make_registry
 
 from acelora.client import wrap_openai
 from acelora.fleet import Fleet, ModelServer

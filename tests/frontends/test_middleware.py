@@ -7,7 +7,6 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import BASE, make_registry
 from fastapi import FastAPI
 from fastapi import Request as FastAPIRequest
 from starlette.applications import Starlette
@@ -15,7 +14,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
-from upstream import ServerThread, UpstreamState, create_upstream
+from upstream import BASE, ServerThread, UpstreamState, create_upstream, make_registry
 
 from acelora.middleware import DECISION_KEY, SERVED_BY_KEY, MultiLoRAMiddleware
 from acelora.skill import MultiLoRA

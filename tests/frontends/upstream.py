@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from acelora.registry import AdapterRegistry, AdapterSpec
+from acelora.serving import BackgroundServer
 
 
 @dataclass
@@ -108,26 +109,24 @@ def create_upstream(state: UpstreamState) -> Starlette:
     ])
 
 
-class ServerThread:
-    """uvicorn serving ``app`` on 127.0.0.1 (a free port) in a daemon thread; ``url`` once started."""
+class ServerThread(BackgroundServer):
+    """uvicorn serving ``app`` on 127.0.0.1 (a free port) in a daemon thread; ``url`` once entered."""
 
-    def __init__(self, app: Any) -> None:
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="auto")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start within 20 s")
-            time.sleep(0.01)
-        sock = self.server.servers[0].sockets[0]
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        return self
+BASE = "tiny-llama"
+MIB = 2**20
 
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+
+def make_registry() -> AdapterRegistry:
+    """code-python-v2 (public), med-qa-v1 (tenant_med only), and one adapter per incompatibility."""
+    return AdapterRegistry([
+        AdapterSpec(name="code-python-v2", path="/adapters/code-python-v2", base_model=BASE, rank=8,
+                    size_bytes=2 * MIB),
+        AdapterSpec(name="med-qa-v1", path="/adapters/med-qa-v1", base_model=BASE, rank=8, size_bytes=MIB,
+                    tenants=frozenset({"tenant_med"})),
+        AdapterSpec(name="legal-compliance-v1", path="/adapters/legal-compliance-v1", base_model=BASE, rank=16),
+        AdapterSpec(name="mistral-helper", path="/adapters/mistral-helper", base_model="mistral-7b", rank=8),
+        AdapterSpec(name="big-rank-v1", path="/adapters/big-rank-v1", base_model=BASE, rank=64),
+        AdapterSpec(name="dora-v1", path="/adapters/dora-v1", base_model=BASE, rank=8, use_dora=True),
+        AdapterSpec(name="broken-v1", path="/adapters/broken-v1", base_model=BASE, rank=8),
+    ])
