@@ -39,3 +39,19 @@ def test_kernels_example_gives_each_row_its_own_adapter():
     assert "code-python-v2   '[code]" in out and "med-qa-v1        '[med]" in out and "brand-voice-v1   '[brand]" in out
     base_line = next(line for line in out.splitlines() if line.startswith("None"))
     assert "[" not in base_line.split("'", 1)[1][:2]
+
+
+def test_the_gateway_example_config_is_valid(tmp_path, monkeypatch):
+    import shutil
+
+    from acelora import MultiLoRA
+
+    shutil.copy(EXAMPLES / "gateway" / "acelora.toml", tmp_path / "acelora.toml")
+    (tmp_path / "adapters").mkdir()
+    for var in ("ACELORA_KEY_DEV01", "ACELORA_KEY_MED", "ACELORA_ADMIN_KEY"):
+        monkeypatch.setenv(var, f"sk-{var.lower()}")
+    monkeypatch.delenv("ACELORA_MODE", raising=False)
+    skill = MultiLoRA.from_config(str(tmp_path / "acelora.toml"))
+    assert [s.kind for s in skill.fleet] == ["vllm", "sglang"] and skill.max_prefetch_hints == 4
+    assert skill.api_keys == {"sk-acelora_key_dev01": "tenant_dev_01", "sk-acelora_key_med": "tenant_med"}
+    assert not skill.registry.public_by_default and skill.config.gateway.max_stream_s == 900
