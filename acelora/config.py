@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from acelora.errors import ConfigError
+from acelora.errors import ConfigError, describe_validation_error
 from acelora.fleet import Fleet, ModelServer
 from acelora.registry import AdapterRegistry
 
@@ -128,9 +128,8 @@ def load_config(path: str | Path, env: dict[str, str] | None = None) -> AceloraC
     try:
         return AceloraConfig.model_validate(raw)
     except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        raise ConfigError(f"{path}: {where}: {err['msg']}") from None
+        where, msg = describe_validation_error(e, "(top level)")
+        raise ConfigError(f"{path}: {where}: {msg}") from None
 
 
 def _key_from_env(var: str, where: str, env: dict[str, str]) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class AceloraError(Exception):
     """Base class of every acelora error.
@@ -70,3 +72,17 @@ class InvalidRequest(AceloraError, ValueError):
 
     >>> raise InvalidRequest("x-ace-skill-override: unknown mode 'banana'")  # doctest: +SKIP
     """
+
+
+def describe_validation_error(exc: Any, top: str = "") -> tuple[str, str]:
+    """``(where, message)`` of a pydantic ValidationError's first error: the dotted field path (``top``
+    when the error is about the whole object) and pydantic's message.
+
+    >>> from pydantic import BaseModel, ValidationError
+    >>> class M(BaseModel): r: int
+    >>> try: M(r="x")
+    ... except ValidationError as e: describe_validation_error(e)
+    ('r', 'Input should be a valid integer, unable to parse string as an integer')
+    """
+    first = exc.errors()[0]
+    return ".".join(str(p) for p in first["loc"]) or top, first["msg"]

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from acelora import jsonbody
-from acelora.errors import AceloraError, InvalidRequest
+from acelora.errors import AceloraError, InvalidRequest, describe_validation_error
 from acelora.fleet import ModelServer
 from acelora.gateway_auth import ADMIN_KEY, GatewayAuth, downgrade_denied_body, is_downgrade, may_downgrade
 from acelora.gateway_proxy import DEFAULT_MAX_STREAM_S, Health, Outcome, Proxy, error_response, relay
@@ -112,9 +112,7 @@ def _bad_request(message: str, param: str | None = None) -> Response:
 
 
 def _validation_message(e: ValidationError) -> str:
-    err = e.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "body"
-    return f"{where}: {err['msg']}"
+    return "{}: {}".format(*describe_validation_error(e, "body"))
 
 
 class BodyTooLarge(AceloraError):

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from acelora.errors import InvalidAdapter
+from acelora.errors import InvalidAdapter, describe_validation_error
 
 CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
@@ -158,9 +158,8 @@ def read_config(adapter_dir: str | Path) -> PeftLoraConfig:
     try:
         return PeftLoraConfig.model_validate(raw)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "config"
-        raise InvalidAdapter(f"{adapter_dir}: {CONFIG_NAME}: {where}: {first['msg']}") from None
+        where, msg = describe_validation_error(e, "config")
+        raise InvalidAdapter(f"{adapter_dir}: {CONFIG_NAME}: {where}: {msg}") from None
 
 
 def read_safetensors_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:

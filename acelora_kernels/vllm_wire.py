@@ -16,6 +16,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 from starlette.responses import JSONResponse
 
+from acelora.errors import describe_validation_error
+
 # sanitize_message: absolute paths under these roots, and file names with a file extension
 _ROOTS = "home|usr|opt|var|tmp|root|lib|mnt|srv"
 _PATH = re.compile(
@@ -44,9 +46,8 @@ def error(status: int, message: str, err_type: str, param: str | None = None) ->
 
 def validation_error(exc: ValidationError) -> JSONResponse:
     """A pydantic failure on a request body as vLLM's 400 ``BadRequestError``."""
-    first = exc.errors()[0]
-    where = ".".join(str(p) for p in first["loc"])
-    return error(400, f"{where}: {first['msg']}" if where else first["msg"], "BadRequestError", where or None)
+    where, msg = describe_validation_error(exc)
+    return error(400, f"{where}: {msg}" if where else msg, "BadRequestError", where or None)
 
 
 def sse(obj: dict[str, Any] | str) -> bytes:
